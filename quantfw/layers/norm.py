@@ -1,0 +1,31 @@
+"""RMSNorm as transformers computes it (fp32 statistics, weight applied in the input dtype)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from quantfw.layers.sharding import copy_shard, set_weight_attrs
+
+
+class RMSNorm(nn.Module):
+    def __init__(
+        self, hidden_size: int, eps: float = 1e-6, *, params_dtype: torch.dtype | None = None
+    ):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(
+            torch.ones(hidden_size, dtype=params_dtype or torch.get_default_dtype()),
+            requires_grad=False,
+        )
+        set_weight_attrs(self.weight, {"weight_loader": _load_whole})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def _load_whole(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    copy_shard(param, loaded, dim=None)

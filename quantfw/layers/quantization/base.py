@@ -1,0 +1,130 @@
+"""Contracts every quantization method implements (see docs/plugins.md)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quantfw.layers.sharding import set_weight_attrs
+
+
+class QuantizeMethodBase(ABC):
+    """Creates a layer's parameters, post-processes them after loading, and runs the layer."""
+
+    @abstractmethod
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra: Any,
+    ) -> None:
+        """Register parameters on `layer` with their sharding facts (see layers/sharding.py)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:  # noqa: B027
+        """Repack loaded tensors into the layout `apply` wants. Default: nothing to do."""
+
+    @abstractmethod
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Compute the layer's output for activations `x` of shape [..., input_size_per_partition]."""
+
+
+class LinearMethodBase(QuantizeMethodBase):
+    """A method for linear layers."""
+
+
+class UnquantizedLinearMethod(LinearMethodBase):
+    """Plain `weight [out, in]` in the model dtype."""
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra: Any,
+    ) -> None:
+        weight = nn.Parameter(
+            torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype),
+            requires_grad=False,
+        )
+        set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0, **extra})
+        layer.register_parameter("weight", weight)
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+class QuantizationConfig(ABC):
+    """A quantization method's settings, read from a checkpoint's `quantization_config`."""
+
+    #: Layer prefixes (or name parts) that stay unquantized.
+    modules_to_not_convert: list[str] = []
+    #: Linear-layer names fused by the model (e.g. qkv_proj -> q/k/v); set by the loader.
+    packed_modules_mapping: dict[str, list[str]] = {}
+
+    @classmethod
+    @abstractmethod
+    def get_name(cls) -> str:
+        """The name used in `quant_method`."""
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, config: dict[str, Any]) -> QuantizationConfig:
+        """Build from the HF dict; reject what this method cannot serve with a clear error."""
+
+    @abstractmethod
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        """The method for `layer` (None means unquantized)."""
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        """Minimum CUDA compute capability as major*10+minor (0: any, including CPU)."""
+        return 0
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.float16, torch.bfloat16, torch.float32]
+
+    def is_layer_skipped(self, prefix: str) -> bool:
+        """True when `prefix` (or every part of a fused layer) is in `modules_to_not_convert`."""
+        return is_layer_skipped(prefix, self.modules_to_not_convert, self.packed_modules_mapping)
+
+
+def _matches(prefix: str, pattern: str) -> bool:
+    """`pattern` is a whole run of dotted name parts inside `prefix`."""
+    return ("." + pattern + ".") in ("." + prefix + ".")
+
+
+def is_layer_skipped(
+    prefix: str, ignored: list[str], packed_modules_mapping: dict[str, list[str]]
+) -> bool:
+    """Whether a layer stays unquantized. A fused layer is skipped only if all its parts are;
+    a mix is an error, because one fused tensor cannot be half quantized."""
+    if not ignored:
+        return False
+    head, _, leaf = prefix.rpartition(".")
+    parts = packed_modules_mapping.get(leaf)
+    if not parts:
+        return any(_matches(prefix, p) for p in ignored)
+    part_prefixes = [f"{head}.{p}" if head else p for p in parts]
+    skipped = [any(_matches(pp, p) for p in ignored) for pp in part_prefixes]
+    if any(skipped) and not all(skipped):
+        raise ValueError(
+            f"layer {prefix!r} fuses {parts}, but modules_to_not_convert skips only some of them "
+            f"({[pp for pp, s in zip(part_prefixes, skipped) if s]}); all parts must agree"
+        )
+    return all(skipped)

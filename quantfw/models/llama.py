@@ -1,0 +1,247 @@
+"""Llama-family decoder (also Mistral-style configs; Qwen2/Qwen3 subclass it with other data).
+
+Module names mirror transformers' so checkpoint names map one to one, except the fused
+``qkv_proj`` and ``gate_up_proj`` (see `stacked_params_mapping`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from quantfw.layers.activation import SiluAndMul
+from quantfw.layers.attention import Attention
+from quantfw.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from quantfw.layers.norm import RMSNorm
+from quantfw.layers.quantization.base import QuantizationConfig
+from quantfw.layers.rotary import RotaryEmbedding, get_rope
+from quantfw.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+from quantfw.models.utils import load_weights
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+class LlamaMLP(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        bias: bool,
+        quant_config: QuantizationConfig | None,
+        prefix: str,
+    ):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size,
+            [intermediate_size, intermediate_size],
+            bias=bias,
+            quant_config=quant_config,
+            prefix=_join(prefix, "gate_up_proj"),
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size,
+            hidden_size,
+            bias=bias,
+            quant_config=quant_config,
+            prefix=_join(prefix, "down_proj"),
+        )
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        *,
+        head_dim: int,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+        quant_config: QuantizationConfig | None,
+        prefix: str,
+    ):
+        super().__init__()
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_dim = head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            head_dim,
+            total_heads,
+            total_kv_heads,
+            bias=qkv_bias,
+            quant_config=quant_config,
+            prefix=_join(prefix, "qkv_proj"),
+        )
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(
+            total_heads * head_dim,
+            config.hidden_size,
+            bias=o_bias,
+            quant_config=quant_config,
+            prefix=_join(prefix, "o_proj"),
+        )
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, scale=head_dim**-0.5)
+
+    def forward(
+        self, hidden: torch.Tensor, rotary: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        b, s, _ = hidden.shape
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(b, s, self.num_heads, self.head_dim)
+        k = k.view(b, s, self.num_kv_heads, self.head_dim)
+        v = v.view(b, s, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary.rotate(q, k, cos, sin)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, config: Any, layer_cls: type[LlamaForCausalLM], *, quant_config, prefix: str
+    ):
+        super().__init__()
+        qkv_bias, o_bias = layer_cls.attention_biases(config)
+        self.self_attn = LlamaAttention(
+            config,
+            head_dim=layer_cls.head_dim(config),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            qk_norm=layer_cls.qk_norm,
+            quant_config=quant_config,
+            prefix=_join(prefix, "self_attn"),
+        )
+        self.mlp = LlamaMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            bias=bool(getattr(config, "mlp_bias", False)),
+            quant_config=quant_config,
+            prefix=_join(prefix, "mlp"),
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden, rotary, cos, sin):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, cos, sin)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(
+        self, config: Any, layer_cls: type[LlamaForCausalLM], *, quant_config, prefix: str
+    ):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, prefix=_join(prefix, "embed_tokens")
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(
+                config, layer_cls, quant_config=quant_config, prefix=_join(prefix, f"layers.{i}")
+            )
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = get_rope(layer_cls.head_dim(config), config)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, self.rotary_emb, cos, sin)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mistral causal LM. ``model(input_ids)`` -> logits ``[batch, seq, vocab]``."""
+
+    #: Fused layer -> the checkpoint modules it holds (quantization configs use this to
+    #: resolve modules_to_not_convert for fused layers).
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+    #: (parameter name part, checkpoint name part, shard id)
+    stacked_params_mapping: ClassVar[list[tuple[str, str, Any]]] = [
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    ]
+    #: Checkpoint tensors skipped on purpose (regexes): rotary caches some exports contain.
+    skip_weight_patterns: ClassVar[tuple[str, ...]] = (
+        r"rotary_emb\.inv_freq$",
+        r"rotary_emb\.(cos|sin)_cached$",
+    )
+    #: Qwen3-style per-head RMSNorm on q and k before rotary.
+    qk_norm: ClassVar[bool] = False
+
+    @classmethod
+    def attention_biases(cls, config: Any) -> tuple[bool, bool]:
+        """(bias on q/k/v, bias on o_proj)."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return bias, bias
+
+    @staticmethod
+    def head_dim(config: Any) -> int:
+        return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+    def __init__(
+        self, config: Any, *, quant_config: QuantizationConfig | None = None, prefix: str = ""
+    ):
+        super().__init__()
+        self.config = config
+        self.quant_config = quant_config
+        self.model = LlamaModel(
+            config, type(self), quant_config=quant_config, prefix=_join(prefix, "model")
+        )
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = ParallelLMHead.tied_to(self.model.embed_tokens)
+        else:
+            self.lm_head = ParallelLMHead(
+                config.vocab_size, config.hidden_size, prefix=_join(prefix, "lm_head")
+            )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(
+                input_ids
+            )
+        return self.compute_logits(self.model(input_ids, positions))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def weight_skip_patterns(self) -> tuple[str, ...]:
+        tied = (r"^lm_head\.weight$",) if self.tie_word_embeddings else ()
+        return self.skip_weight_patterns + tied
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_weights(
+            self,
+            weights,
+            stacked_params_mapping=self.stacked_params_mapping,
+            skip_patterns=self.weight_skip_patterns(),
+        )

@@ -1,0 +1,55 @@
+"""The ``quantfw`` command. Each subcommand lives in its own module exposing
+``add_parser(subparsers)`` (which sets ``func`` on its parser); modules are imported lazily so
+``quantfw --help`` stays fast and a missing optional extra only breaks its own subcommand."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+#: subcommand modules, in the order `--help` lists them
+SUBCOMMANDS = (
+    "quantfw.entrypoints.cmd_info",
+    "quantfw.entrypoints.cmd_demo",
+    "quantfw.entrypoints.cmd_quantize",
+    "quantfw.entrypoints.cmd_generate",
+    "quantfw.entrypoints.cmd_serve",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="quantfw",
+        description="Load dense and quantized HF checkpoints and run them with tensor parallelism.",
+    )
+    from quantfw import __version__
+
+    parser.add_argument("--version", action="version", version=f"quantfw {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module_name in SUBCOMMANDS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name == module_name:
+                continue  # subcommand not built yet
+            raise
+        module.add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, KeyError, OSError) as e:
+        print(f"quantfw {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

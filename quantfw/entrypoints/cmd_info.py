@@ -1,0 +1,96 @@
+"""``quantfw info MODEL``: architecture, dtype, quantization, parameter count and shard plan,
+computed on the meta device (no weights are read)."""
+
+from __future__ import annotations
+
+import argparse
+
+from torch import nn
+
+from quantfw import distributed as qdist
+from quantfw.config import ModelConfig
+from quantfw.layers.linear import LinearBase
+from quantfw.layers.vocab import VocabParallelEmbedding
+from quantfw.loaders.base import initialize_model
+from quantfw.models.registry import resolve_model_class
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "info", help="describe a checkpoint and its tensor-parallel shard plan"
+    )
+    p.add_argument("model", help="HF repo id or local folder")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size to plan for")
+    p.add_argument("--quantization", default=None)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--revision", default=None)
+    p.set_defaults(func=run)
+
+
+def _logical_params(model: nn.Module) -> int:
+    """Parameters as the unquantized model would count them (quantized linears as in*out)."""
+    total = 0
+    seen: set[int] = set()
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
+        if isinstance(module, LinearBase):
+            total += module.input_size * module.output_size
+            if module.bias is not None:
+                total += module.bias.numel() * module.tp_size
+        elif isinstance(module, VocabParallelEmbedding) and own:
+            total += module.num_embeddings * module.embedding_dim  # without vocab padding
+        else:
+            continue
+        seen.update(id(p) for p in own)
+    for p in model.parameters():
+        if id(p) not in seen:
+            total += p.numel()
+    return total
+
+
+def shard_plan(model_config: ModelConfig, tp: int) -> tuple[nn.Module, list[str]]:
+    """The model as TP rank 0 of `tp` builds it (on meta), and one line per layer kind."""
+    with qdist.simulated_tp(tp, 0):
+        model = initialize_model(model_config, "meta")
+    lines, seen = [], set()
+    for name, module in model.named_modules():
+        if not isinstance(module, (LinearBase, VocabParallelEmbedding)):
+            continue
+        key = name.split(".")[-1]
+        if key in seen:
+            continue
+        seen.add(key)
+        method = getattr(module, "quant_method", None)
+        shapes = ", ".join(
+            f"{pname} {tuple(p.shape)} {str(p.dtype).removeprefix('torch.')}"
+            for pname, p in module.named_parameters(recurse=False)
+        )
+        lines.append(
+            f"  {key:<14} {type(module).__name__:<28} {type(method).__name__ if method else '-':<26} "
+            f"per rank: {shapes}"
+        )
+    return model, lines
+
+
+def run(args: argparse.Namespace) -> int:
+    mc = ModelConfig(
+        args.model, revision=args.revision, dtype=args.dtype, quantization=args.quantization
+    )
+    _, arch = resolve_model_class(mc.architectures)
+    with qdist.simulated_tp(1, 0):
+        full = initialize_model(mc, "meta")
+    stored = sum(p.numel() * p.element_size() for p in full.parameters())
+    print(f"model:          {args.model}")
+    print(f"architecture:   {arch}")
+    print(f"dtype:          {str(mc.dtype).removeprefix('torch.')}")
+    qc = mc.quant_config
+    print(f"quantization:   {qc.get_name() if qc else 'none'}")
+    print(
+        f"parameters:     {_logical_params(full) / 1e6:.3f} M ({stored / 2**20:.2f} MiB as stored)"
+    )
+    print(f"context length: {mc.max_model_len}")
+    print(f"shard plan (tp={args.tp}, rank 0):")
+    _, lines = shard_plan(mc, args.tp)
+    for line in lines:
+        print(line)
+    return 0

@@ -1,0 +1,1 @@
+"""Example quantfw plugin (see docs/plugins.md)."""

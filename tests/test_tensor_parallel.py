@@ -1,0 +1,64 @@
+"""Two gloo ranks under torchrun give the TP=1 logits, including a GQA config with one kv head
+(replicated on both ranks); heads not divisible by the TP size is a clear error."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import quantfw
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "tp_logits.py")
+
+
+def run_torchrun(out_dir, folders, nproc=2):
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        SCRIPT,
+        str(out_dir),
+        *folders,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [torch.load(os.path.join(out_dir, f"{i}.pt")) for i in range(len(folders))]
+
+
+@pytest.mark.slow
+def test_tp2_equals_tp1(hf_checkpoint, rel_err, tmp_path):
+    cases = [
+        hf_checkpoint("llama", name="llama", save_kwargs={"max_shard_size": "100KB"}),
+        hf_checkpoint("qwen2", name="qwen2"),
+        hf_checkpoint("qwen3", name="qwen3", tie_word_embeddings=True),
+        hf_checkpoint("llama", name="one_kv", num_key_value_heads=1),
+        hf_checkpoint(
+            "llama",
+            name="three_heads",
+            hidden_size=48,
+            num_attention_heads=3,
+            num_key_value_heads=3,
+        ),
+    ]
+    out = tmp_path / "out"
+    out.mkdir()
+    results = run_torchrun(out, [folder for _, folder in cases])
+    for (hf_model, folder), result in zip(cases[:-1], results[:-1]):
+        assert "error" not in result, result.get("error")
+        tp1 = quantfw.load_model(folder, device="cpu")
+        with torch.no_grad():
+            expected = tp1(result["ids"])
+            assert rel_err(expected, hf_model(result["ids"]).logits) <= 1e-4
+        err = rel_err(result["logits"], expected)
+        assert err <= 1e-5, f"{folder}: TP=2 vs TP=1 relative error {err:.2e}"
+    assert (
+        "number of attention heads 3 is not divisible by tensor_parallel_size 2"
+        in results[-1]["error"]
+    )

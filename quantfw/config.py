@@ -1,4 +1,4 @@
-"""What a model is (ModelConfig), how to load it (LoadConfig), how to split it (ParallelConfig)."""
+"""What a model is (ModelConfig) and how to load it (LoadConfig)."""
 
 from __future__ import annotations
 
@@ -58,11 +58,6 @@ class LoadConfig:
             raise ValueError(
                 f"unknown load_format {self.load_format!r}; supported: {', '.join(LOAD_FORMATS)}"
             )
-
-
-@dataclass
-class ParallelConfig:
-    tensor_parallel_size: int = 1
 
 
 class ModelConfig:

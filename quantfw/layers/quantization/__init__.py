@@ -36,7 +36,10 @@ QUANTIZATION_METHODS = Registry(
 )
 
 #: Built-in methods, imported on first use.
-_BUILTIN: dict[str, str] = {}
+_BUILTIN: dict[str, str] = {
+    "awq": "quantfw.layers.quantization.awq:AWQConfig",
+    "gptq": "quantfw.layers.quantization.gptq:GPTQConfig",
+}
 for _name, _target in _BUILTIN.items():
     QUANTIZATION_METHODS.register(_name, _target)
 

@@ -1,0 +1,312 @@
+"""Round-to-nearest (RTN) export of a dense HF checkpoint into the AWQ (AutoAWQ GEMM) or GPTQ
+(GPTQModel) on-disk format. No calibration: each group's scale and zero come from its min/max.
+
+Only the decoder's linear layers (q/k/v/o/gate/up/down_proj) are quantized; embeddings, norms
+and lm_head keep their dtype. See docs/formats.md for the layouts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import zlib
+from collections.abc import Iterator
+
+import torch
+
+from quantfw.kernels import reference
+from quantfw.loaders.weight_utils import (
+    PT_INDEX,
+    SAFETENSORS_INDEX,
+    download_snapshot,
+    find_weight_files,
+    iterate_pt,
+    iterate_safetensors,
+)
+
+QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: layers whose inputs are the same tensor share an act-order permutation (and so g_idx)
+_SHARED_INPUT = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
+_METADATA_SUFFIXES = (".json", ".model", ".txt", ".tiktoken", ".jinja")
+METHODS = ("awq", "gptq")
+
+
+def _group_ids(in_features: int, group_size: int, perm: torch.Tensor | None) -> torch.Tensor:
+    """g_idx [in]: the group of each input row; under act-order the i-th row of `perm` is the
+    i-th row quantized, so g_idx[perm[i]] = i // group_size."""
+    ordered = reference.group_index(in_features, group_size)
+    if perm is None:
+        return ordered
+    g_idx = torch.empty_like(ordered)
+    g_idx[perm] = ordered
+    return g_idx
+
+
+def rtn_quantize(
+    weight: torch.Tensor,
+    *,
+    bits: int,
+    g_idx: torch.Tensor,
+    style: str,
+    sym: bool = False,
+    min_zero: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize `weight [out, in]` per group of input rows given by `g_idx`.
+
+    Returns (codes [in, out] int32, zeros [G, out] int32, scales [G, out] fp16) with
+    ``W ~= (codes - zeros[g_idx]) * scales[g_idx]``. `style` "awq" follows AutoAWQ's
+    pseudo_quantize (asymmetric on [min, max]); "gptq" follows GPTQ's Quantizer (range widened
+    to include 0; `sym` centres the zero at 2**(bits-1)). Zeros are clamped to >= `min_zero`.
+    """
+    maxq = 2**bits - 1
+    w = weight.detach().t().float()  # [in, out]
+    num_groups = int(g_idx.max()) + 1
+    index = g_idx.long().unsqueeze(1).expand_as(w)
+    shape = (num_groups, w.shape[1])
+    gmin = torch.full(shape, math.inf).scatter_reduce(0, index, w, "amin")
+    gmax = torch.full(shape, -math.inf).scatter_reduce(0, index, w, "amax")
+    if style == "awq":
+        scales = (gmax - gmin).clamp(min=1e-5) / maxq
+        zeros = (-torch.round(gmin / scales)).clamp(0, maxq)
+    else:
+        xmin, xmax = gmin.clamp(max=0), gmax.clamp(min=0)
+        if sym:
+            xmax = torch.maximum(xmin.abs(), xmax)
+            xmin = torch.where(xmin < 0, -xmax, xmin)
+        empty = (xmin == 0) & (xmax == 0)
+        xmin, xmax = torch.where(empty, -1.0, xmin), torch.where(empty, 1.0, xmax)
+        scales = (xmax - xmin) / maxq
+        zeros = torch.full_like(scales, (maxq + 1) // 2) if sym else torch.round(-xmin / scales)
+    scales = scales.to(torch.float16).float().clamp(min=torch.finfo(torch.float16).tiny)
+    zeros = zeros.clamp(min_zero, maxq)
+    g = g_idx.long()
+    codes = torch.clamp(torch.round(w / scales[g]) + zeros[g], 0, maxq)
+    return codes.to(torch.int32), zeros.to(torch.int32), scales.to(torch.float16)
+
+
+class _Exporter:
+    def __init__(
+        self,
+        *,
+        method: str,
+        bits: int,
+        group_size: int,
+        desc_act: bool,
+        sym: bool,
+        checkpoint_format: str,
+        seed: int,
+    ):
+        self.method, self.bits, self.group_size = method, bits, group_size
+        self.desc_act, self.sym, self.checkpoint_format, self.seed = (
+            desc_act,
+            sym,
+            checkpoint_format,
+            seed,
+        )
+
+    def quantization_config(self) -> dict:
+        if self.method == "awq":
+            return {
+                "quant_method": "awq",
+                "bits": self.bits,
+                "group_size": self.group_size,
+                "zero_point": True,
+                "version": "gemm",
+                "modules_to_not_convert": None,
+            }
+        from quantfw import __version__
+
+        return {
+            "quant_method": "gptq",
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "desc_act": self.desc_act,
+            "sym": self.sym,
+            "lm_head": False,
+            "static_groups": False,
+            "true_sequential": True,
+            "damp_percent": 0.01,
+            "checkpoint_format": self.checkpoint_format,
+            "pack_dtype": "int32",
+            "meta": {"quantizer": [f"quantfw:{__version__}"], "method": "rtn"},
+        }
+
+    def _permutation(self, prefix: str, in_features: int) -> torch.Tensor | None:
+        if not self.desc_act:
+            return None
+        head, _, leaf = prefix.rpartition(".")
+        key = f"{self.seed}:{head}.{_SHARED_INPUT.get(leaf, leaf)}"
+        generator = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+        return torch.randperm(in_features, generator=generator)
+
+    def _check(self, name: str, out_features: int, in_features: int) -> None:
+        per_word = 8 if self.method == "awq" else 32 // math.gcd(32, self.bits)
+        packed_out = out_features % per_word
+        packed_in = self.method == "gptq" and in_features % per_word
+        grouped = self.group_size != -1 and in_features % self.group_size and self.method == "awq"
+        if packed_out or packed_in or grouped:
+            raise ValueError(
+                f"cannot export {name!r} of shape [{out_features}, {in_features}] as "
+                f"{self.method} bits={self.bits} group_size={self.group_size}: output features "
+                f"must be a multiple of {per_word}"
+                + (f", input features a multiple of {per_word}" if self.method == "gptq" else "")
+                + (f" and input features a multiple of {self.group_size}" if grouped else "")
+            )
+
+    def quantize_linear(
+        self, prefix: str, weight: torch.Tensor
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        out_features, in_features = weight.shape
+        self._check(f"{prefix}.weight", out_features, in_features)
+        if self.method == "awq":
+            g_idx = reference.group_index(in_features, self.group_size)
+            codes, zeros, scales = rtn_quantize(weight, bits=4, g_idx=g_idx, style="awq")
+            yield f"{prefix}.qweight", reference.pack_awq(codes)
+            yield f"{prefix}.qzeros", reference.pack_awq(zeros)
+            yield f"{prefix}.scales", scales
+            return
+        g_idx = _group_ids(in_features, self.group_size, self._permutation(prefix, in_features))
+        v1 = self.checkpoint_format == "gptq"
+        # v1 stores z - 1, so z = 0 is not representable: keep zeros >= 1
+        codes, zeros, scales = rtn_quantize(
+            weight, bits=self.bits, g_idx=g_idx, style="gptq", sym=self.sym, min_zero=int(v1)
+        )
+        stored = (zeros - 1) if v1 else zeros
+        yield f"{prefix}.qweight", reference.pack_int32(codes, self.bits, dim=0)
+        yield f"{prefix}.qzeros", reference.pack_int32(stored, self.bits, dim=1)
+        yield f"{prefix}.scales", scales
+        yield f"{prefix}.g_idx", g_idx.to(torch.int32)
+
+    def convert(
+        self, tensors: Iterator[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in tensors:
+            prefix, _, kind = name.rpartition(".")
+            if (
+                kind == "weight"
+                and tensor.dim() == 2
+                and prefix.split(".")[-1] in QUANTIZED_LINEARS
+            ):
+                yield from self.quantize_linear(prefix, tensor)
+            else:
+                yield name, tensor
+
+
+def _write_shards(
+    tensors: Iterator[tuple[str, torch.Tensor]], out_dir: str, max_shard_bytes: int
+) -> None:
+    """Write safetensors shards of at most `max_shard_bytes` (one tensor may exceed it) as they
+    fill, then name them model-XXXXX-of-YYYYY with an index (or model.safetensors if one)."""
+    from safetensors.torch import save_file
+
+    written: list[tuple[str, list[str]]] = []
+    shard: dict[str, torch.Tensor] = {}
+    size = total = 0
+
+    def flush() -> None:
+        path = os.path.join(out_dir, f".shard-{len(written):05d}.tmp")
+        save_file(shard, path, metadata={"format": "pt"})
+        written.append((path, list(shard)))
+        shard.clear()
+
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if shard and size + nbytes > max_shard_bytes:
+            flush()
+            size = 0
+        shard[name] = tensor.contiguous()
+        size += nbytes
+        total += nbytes
+    if shard or not written:
+        flush()
+    if len(written) == 1:
+        os.replace(written[0][0], os.path.join(out_dir, "model.safetensors"))
+        return
+    weight_map = {}
+    for i, (path, names) in enumerate(written, 1):
+        filename = f"model-{i:05d}-of-{len(written):05d}.safetensors"
+        os.replace(path, os.path.join(out_dir, filename))
+        weight_map.update(dict.fromkeys(names, filename))
+    with open(os.path.join(out_dir, SAFETENSORS_INDEX), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+def quantize_checkpoint(
+    model_path: str,
+    out_dir: str,
+    *,
+    method: str,
+    bits: int = 4,
+    group_size: int = 128,
+    desc_act: bool = False,
+    sym: bool = True,
+    checkpoint_format: str = "gptq",
+    zero_point: bool = True,
+    seed: int = 0,
+    max_shard_size: int = 4 * 2**30,
+) -> str:
+    """RTN-quantize the dense checkpoint `model_path` (folder or hub id) into `out_dir` in the
+    format AutoAWQ (`method="awq"`, GEMM) or GPTQModel (`method="gptq"`) writes; returns
+    `out_dir`. `desc_act` draws a seeded random act-order permutation per input (shared by
+    q/k/v and by gate/up) so g_idx is non-trivial. `max_shard_size` is in bytes."""
+    method = method.lower()
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; supported: {list(METHODS)}")
+    if group_size != -1 and group_size <= 0:
+        raise ValueError(f"group_size={group_size} is invalid; use a positive size or -1")
+    if method == "awq":
+        if bits != 4 or desc_act or not zero_point:
+            raise ValueError(
+                "AWQ GEMM export supports bits=4, zero_point=True and no desc_act; got "
+                f"bits={bits}, zero_point={zero_point}, desc_act={desc_act}"
+            )
+    else:
+        if bits not in reference.SUPPORTED_GPTQ_BITS:
+            raise ValueError(
+                f"GPTQ export: bits={bits} not supported; supported: "
+                f"{list(reference.SUPPORTED_GPTQ_BITS)}"
+            )
+        if checkpoint_format not in ("gptq", "gptq_v2"):
+            raise ValueError(
+                f"GPTQ export: checkpoint_format={checkpoint_format!r} not supported; "
+                "supported: ['gptq', 'gptq_v2']"
+            )
+    folder = download_snapshot(model_path)
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    if config.get("quantization_config"):
+        raise ValueError(
+            f"{model_path!r} is already quantized "
+            f"({config['quantization_config'].get('quant_method')}); export needs a dense checkpoint"
+        )
+    exporter = _Exporter(
+        method=method,
+        bits=bits,
+        group_size=group_size,
+        desc_act=desc_act,
+        sym=sym,
+        checkpoint_format=checkpoint_format,
+        seed=seed,
+    )
+    files, use_safetensors = find_weight_files(folder)
+    reader = iterate_safetensors if use_safetensors else iterate_pt
+
+    def source() -> Iterator[tuple[str, torch.Tensor]]:
+        for path in files:
+            yield from reader(path)
+
+    os.makedirs(out_dir, exist_ok=True)
+    _write_shards(exporter.convert(source()), out_dir, max_shard_size)
+    config["quantization_config"] = exporter.quantization_config()
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    for name in sorted(os.listdir(folder)):
+        if (
+            name.endswith(_METADATA_SUFFIXES)
+            and name not in ("config.json", SAFETENSORS_INDEX, PT_INDEX)
+            and os.path.isfile(os.path.join(folder, name))
+        ):
+            shutil.copyfile(os.path.join(folder, name), os.path.join(out_dir, name))
+    return out_dir

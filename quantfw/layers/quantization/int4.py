@@ -1,0 +1,58 @@
+"""What AWQ and GPTQ share: shard checks in create_weights and the fused int4 runtime."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from quantfw.kernels import torch_ops
+
+
+def check_divisible(layer: nn.Module, what: str, size: int, divisor: int, why: str) -> None:
+    """Raise a clear error when a per-rank size would split a group or a packed int32."""
+    if size % divisor:
+        tp = getattr(layer, "tp_size", 1)
+        raise ValueError(
+            f"layer {getattr(layer, 'prefix', '') or '(root)'}: {what} {size} (tensor_parallel_size "
+            f"{tp}) is not a multiple of {divisor}: {why}"
+        )
+
+
+def attach_int4pack(
+    layer: nn.Module,
+    codes: torch.Tensor,
+    zeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor,
+    dtype: torch.dtype,
+) -> None:
+    """Build the fused layout from unpacked `codes [K, N]`, integer `zeros [G, N]`, `scales`
+    and `g_idx [K]`, and register it as buffers on `layer`."""
+    pack = torch_ops.build_int4pack(codes, zeros, scales, g_idx, dtype=dtype)
+    layer.register_buffer("int4_weight", pack.weight, persistent=False)
+    layer.register_buffer("int4_scales_and_zeros", pack.scales_and_zeros, persistent=False)
+    layer.register_buffer("int4_gather", pack.gather, persistent=False)
+    layer.int4_group_size = pack.group_size
+    layer.int4_out_features = codes.shape[1]
+
+
+def has_int4pack(layer: nn.Module) -> bool:
+    return getattr(layer, "int4_weight", None) is not None
+
+
+def apply_int4pack(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = torch_ops.int4pack_mm(
+        x,
+        layer.int4_weight,
+        layer.int4_scales_and_zeros,
+        layer.int4_gather,
+        layer.int4_group_size,
+        layer.int4_out_features,
+    )
+    return out if bias is None else out + bias
+
+
+def drop_parameters(layer: nn.Module, names: tuple[str, ...]) -> None:
+    """Free the checkpoint-layout parameters once they were repacked."""
+    for name in names:
+        delattr(layer, name)

@@ -210,3 +210,16 @@ def test_collective_under_simulated_tp_is_an_error():
         pytest.raises(RuntimeError, match="simulated tensor parallelism"),
     ):
         qdist.all_reduce(torch.ones(2))
+
+
+def test_tensor_shared_by_fused_parts_must_agree():
+    """A parameter with no output_dim (GPTQ g_idx, say) is carried by every fused part."""
+    layer = MergedColumnParallelLinear(8, [4, 4], bias=False)
+    shared = nn.Parameter(torch.empty(8, dtype=torch.int32), requires_grad=False)
+    set_weight_attrs(shared, {"input_dim": 0})
+    value = torch.randperm(8, dtype=torch.int32)
+    layer.weight_loader(shared, value, 0)
+    layer.weight_loader(shared, value.clone(), 1)
+    assert torch.equal(shared, value)
+    with pytest.raises(ShardShapeError, match="fused part 1 carries a different value"):
+        layer.weight_loader(shared, value.flip(0), 1)

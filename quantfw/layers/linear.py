@@ -163,6 +163,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             logical_size=size,
             index=shard_index,
             num_shards=num_shards,
+            part=shard_id,
         )
 
     def _load_fused(self, param: nn.Parameter, loaded: torch.Tensor) -> None:

@@ -107,13 +107,15 @@ def load_output_slice(
     logical_size: int,
     index: int,
     num_shards: int,
+    part: object = None,
 ) -> None:
     """Place one part of a fused output (a merged or q/k/v slice) at `logical_offset` of the
     parameter's output dim; offsets are in logical features and divided by the pack factor when
-    that dim is packed. A parameter with no output_dim is shared by all parts and loaded whole."""
+    that dim is packed. A parameter with no output_dim is shared by all parts (e.g. GPTQ g_idx of
+    q/k/v, which read the same input): the first part loads it, the others must agree."""
     dim = getattr(param, "output_dim", None)
     if dim is None:
-        copy_shard(param, loaded, dim=None)
+        load_shared_by_parts(param, loaded, part=part)
         return
     copy_shard(
         param,
@@ -124,6 +126,21 @@ def load_output_slice(
         dest_offset=to_param_units(param, dim, logical_offset),
         dest_size=to_param_units(param, dim, logical_size),
     )
+
+
+def load_shared_by_parts(param: torch.Tensor, loaded: torch.Tensor, *, part: object) -> None:
+    """Load a tensor that every part of a fused layer carries; a part that disagrees is an error."""
+    if not getattr(param, "_loaded_by_a_part", False):
+        copy_shard(param, loaded, dim=None)
+        param._loaded_by_a_part = True
+        return
+    if tuple(loaded.shape) != tuple(param.shape) or not torch.equal(
+        loaded.to(param.dtype), param.data
+    ):
+        raise ShardShapeError(
+            f"fused part {part!r} carries a different value than an earlier part of this "
+            "parameter; parts that share an input must share it"
+        )
 
 
 def vocab_range(vocab_padded: int, tp_rank: int, tp_size: int) -> tuple[int, int]:

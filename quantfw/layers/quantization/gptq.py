@@ -115,24 +115,6 @@ class GPTQConfig(QuantizationConfig):
         )
 
 
-def _shared_loader(layer: nn.Module, loader):
-    """Load g_idx, which fused q/k/v (or gate/up) parts share, and check every part agrees."""
-    loaded_once = False
-
-    def load(param: nn.Parameter, tensor: torch.Tensor, *shard_id: Any) -> None:
-        nonlocal loaded_once
-        before = param.data.clone() if loaded_once else None
-        loader(param, tensor, *shard_id)
-        if before is not None and not torch.equal(before, param.data):
-            raise ValueError(
-                f"layer {layer.prefix}: g_idx of part {shard_id[0] if shard_id else '?'} differs "
-                "from the other fused parts; parts that share an input must share g_idx"
-            )
-        loaded_once = True
-
-    return load
-
-
 class GPTQLinearMethod(LinearMethodBase):
     def __init__(self, config: GPTQConfig):
         self.config = config
@@ -207,7 +189,7 @@ class GPTQLinearMethod(LinearMethodBase):
             g_idx,
             {
                 "input_dim": 0,
-                "weight_loader": _shared_loader(layer, extra["weight_loader"]),
+                "weight_loader": extra["weight_loader"],
                 "dummy_init": dummy_init,
             },
         )

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from quantfw.layers.activation import SiluAndMul
-from quantfw.layers.attention import Attention
+from quantfw.layers.attention import Attention, AttentionMetadata
 from quantfw.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from quantfw.layers.norm import RMSNorm
 from quantfw.layers.quantization.base import QuantizationConfig
@@ -99,7 +99,12 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, scale=head_dim**-0.5)
 
     def forward(
-        self, hidden: torch.Tensor, rotary: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        hidden: torch.Tensor,
+        rotary: RotaryEmbedding,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn_meta: AttentionMetadata | None = None,
     ) -> torch.Tensor:
         b, s, _ = hidden.shape
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -110,7 +115,10 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary.rotate(q, k, cos, sin)
-        return self.o_proj(self.attn(q, k, v))
+        if attn_meta is None:
+            return self.o_proj(self.attn(q, k, v))
+        # cache-aware: one flat batch of tokens (b == 1)
+        return self.o_proj(self.attn(q[0], k[0], v[0], attn_meta).unsqueeze(0))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -138,8 +146,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden, rotary, cos, sin):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, cos, sin)
+    def forward(self, hidden, rotary, cos, sin, attn_meta=None):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, cos, sin, attn_meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -160,11 +168,16 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = get_rope(layer_cls.head_dim(config), config)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_meta: AttentionMetadata | None = None,
+    ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
         for layer in self.layers:
-            hidden = layer(hidden, self.rotary_emb, cos, sin)
+            hidden = layer(hidden, self.rotary_emb, cos, sin, attn_meta)
         return self.norm(hidden)
 
 
@@ -230,6 +243,20 @@ class LlamaForCausalLM(nn.Module):
                 input_ids
             )
         return self.compute_logits(self.model(input_ids, positions))
+
+    def forward_cached(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Cache-aware forward over one flat batch: input_ids and positions [T] (the tokens of
+        several sequences, concatenated), `attn_meta` saying where each lives in the KV cache.
+        Returns hidden states [T, hidden]; pick rows and call `compute_logits`."""
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(
+                f"forward_cached takes flat input_ids and positions [T], got shapes "
+                f"{tuple(input_ids.shape)} and {tuple(positions.shape)}"
+            )
+        hidden = self.model(input_ids.unsqueeze(0), positions.unsqueeze(0), attn_meta)
+        return hidden[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)

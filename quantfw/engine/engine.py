@@ -1,0 +1,327 @@
+"""LLMEngine: requests in, tokens out, one step at a time.
+
+Owns the model, tokenizer, KV cache, scheduler, runner and sampler. `add_request` queues a
+prompt, `step` runs one forward step (new requests join between steps) and returns the outputs
+of the requests that advanced. Under tensor parallelism only the TP leader runs this logic; the
+other ranks follow in `ModelRunner.worker_loop`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from quantfw import distributed as qdist
+from quantfw.config import LoadConfig, ModelConfig
+from quantfw.engine.kv_cache import KVCache
+from quantfw.engine.runner import ModelRunner
+from quantfw.engine.sampler import sample
+from quantfw.engine.sampling_params import SamplingParams
+from quantfw.engine.scheduler import Scheduler
+from quantfw.engine.sequence import CompletionOutput, RequestOutput, Sequence
+from quantfw.layers.attention import FlashInferBackend, select_backend
+from quantfw.loaders import get_model_loader
+
+
+@dataclass
+class EngineStats:
+    """Counters the server exports on /metrics."""
+
+    requests_added: int = 0
+    requests_finished: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    steps: int = 0
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    arrival: float = field(default_factory=time.perf_counter)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+
+def load_tokenizer(model: str, revision: str | None = None) -> Any | None:
+    """The checkpoint's tokenizer, or None when the folder has none (token-id prompts only)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model, revision=revision)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def eos_token_ids(model: str, hf_config: Any, tokenizer: Any | None) -> set[int]:
+    from transformers import GenerationConfig
+
+    eos: Any = None
+    with contextlib.suppress(OSError, ValueError):
+        eos = GenerationConfig.from_pretrained(model).eos_token_id
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return set()
+    return {int(eos)} if isinstance(eos, int) else {int(e) for e in eos}
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: str,
+        *,
+        quantization: str | None = None,
+        dtype: str | torch.dtype = "auto",
+        tensor_parallel_size: int | None = None,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        cuda_graphs: bool | None = None,
+        attention_backend: str = "auto",
+        load_format: str = "auto",
+        revision: str | None = None,
+        download_dir: str | None = None,
+        device: str | torch.device | None = None,
+        tokenizer: Any | None = None,
+    ):
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={max_num_seqs} must be >= 1")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
+        qdist.init_distributed(tensor_parallel_size)
+        self.model_config = ModelConfig(
+            model,
+            revision=revision,
+            dtype=dtype,
+            quantization=quantization,
+            max_model_len=max_model_len,
+            download_dir=download_dir,
+        )
+        self.max_model_len = self.model_config.max_model_len
+        self.device = torch.device(device) if device is not None else qdist.default_device()
+        load_config = LoadConfig(
+            load_format=load_format, download_dir=download_dir, revision=revision
+        )
+        self.model = get_model_loader(load_config).load_model(self.model_config, self.device)
+        if not hasattr(self.model, "forward_cached"):
+            raise ValueError(
+                f"{type(self.model).__name__} has no cache-aware forward_cached(); "
+                "the engine cannot run it (model(input_ids) still works)"
+            )
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model, revision)
+        self.eos_token_ids = eos_token_ids(model, self.model_config.hf_config, self.tokenizer)
+        self.kv_cache = KVCache(
+            self.model,
+            max_model_len=self.max_model_len,
+            max_num_seqs=max_num_seqs,
+            dtype=self.model_config.dtype,
+            device=self.device,
+            memory_utilization=gpu_memory_utilization,
+        )
+        backend = select_backend(attention_backend, self.device)
+        if isinstance(backend, FlashInferBackend):
+            layer = next(m for m in self.model.modules() if hasattr(m, "kv_cache"))
+            backend.configure(
+                layer.num_heads,
+                layer.num_kv_heads,
+                layer.head_dim,
+                self.max_model_len,
+                self.model_config.dtype,
+            )
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda"
+        self.runner = ModelRunner(
+            self.model,
+            self.kv_cache,
+            backend,
+            self.device,
+            cuda_graphs=cuda_graphs,
+            max_graph_batch=self.kv_cache.num_slots,
+        )
+        budget = max_num_batched_tokens or max(2048, self.kv_cache.num_slots)
+        if budget < self.kv_cache.num_slots:
+            raise ValueError(
+                f"max_num_batched_tokens={budget} must be >= the number of sequences "
+                f"({self.kv_cache.num_slots}) so every running sequence can decode each step"
+            )
+        self.scheduler = Scheduler(self.kv_cache, max_num_batched_tokens=budget)
+        self.requests: dict[str, _Request] = {}
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def encode(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(
+                f"{self.model_config.model!r} has no tokenizer: pass token ids, not text"
+            )
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    def decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a prompt (text or token ids); returns its request id."""
+        params = params or SamplingParams()
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens, the context (max_model_len) holds "
+                f"{self.max_model_len} including at least one generated token"
+            )
+        vocab = self.model_config.hf_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        seqs = []
+        for i in range(params.n):
+            generator = None
+            if not params.greedy:
+                seed = params.seed + i if params.seed is not None else None
+                if seed is None:
+                    seed = int(torch.randint(0, 2**62, (1,)).item())
+                generator = torch.Generator().manual_seed(seed)
+            seq = Sequence(request_id, i, ids, params, generator)
+            seqs.append(seq)
+            self.scheduler.add(seq)
+        self.requests[request_id] = _Request(request_id, text, ids, params, seqs)
+        self.stats.requests_added += 1
+        self.stats.prompt_tokens += len(ids)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request (e.g. its client went away); unknown ids are ignored."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if not seq.finished:
+                self.scheduler.finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- stepping -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; outputs of the requests that got tokens (finished ones included)."""
+        scheduled = self.scheduler.schedule()
+        if scheduled is None:
+            return []
+        plan, batch = scheduled
+        logits = self.runner.execute(batch)
+        self.stats.steps += 1
+        to_sample = []
+        for seq, n in plan:
+            seq.num_computed += n
+            if seq.num_computed == seq.num_tokens:
+                to_sample.append(seq)
+        touched: dict[str, _Request] = {}
+        for seq, (token, lp) in zip(to_sample, sample(logits, to_sample)):
+            self._append(seq, token, lp)
+            req = self.requests.get(seq.request_id)
+            if req is not None:
+                touched[req.request_id] = req
+        outputs = [self._output(req) for req in touched.values()]
+        for req in touched.values():
+            if req.finished:
+                del self.requests[req.request_id]
+                self.stats.requests_finished += 1
+        return outputs
+
+    def _append(self, seq: Sequence, token: int, lp: Any) -> None:
+        params = seq.params
+        seq.output_token_ids.append(token)
+        if lp is not None:
+            seq.logprobs.append(lp)
+        self.stats.generation_tokens += 1
+        reason = None
+        if (
+            not params.ignore_eos and token in self.eos_token_ids
+        ) or token in params.stop_token_ids:
+            reason = "stop"
+        seq.text = self.decode(seq.output_token_ids)
+        if reason is None and params.stop:
+            reason = self._match_stop_string(seq)
+        if reason is None and (
+            len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len
+        ):
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+
+    @staticmethod
+    def _match_stop_string(seq: Sequence) -> str | None:
+        # only text near the end can hold a stop string that just appeared
+        hits = [(seq.text.find(s), s) for s in seq.params.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return None
+        i, s = min(hits)
+        seq.text = seq.text[: i + len(s)] if seq.params.include_stop_str_in_output else seq.text[:i]
+        return "stop"
+
+    def _output(self, req: _Request) -> RequestOutput:
+        outs = []
+        for seq in req.seqs:
+            delta = seq.text[seq.emitted_chars :]
+            if not seq.finished:
+                delta = _hold_back(delta, seq.params.stop)
+            seq.emitted_chars += len(delta)
+            outs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=seq.text,
+                    token_ids=list(seq.output_token_ids),
+                    finish_reason=seq.finish_reason,
+                    logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+                    delta_text=delta,
+                )
+            )
+        return RequestOutput(
+            req.request_id, req.prompt, req.prompt_token_ids, outs, finished=req.finished
+        )
+
+    def shutdown(self) -> None:
+        """Release the other TP ranks from their worker loop."""
+        self.runner.stop_workers()
+
+
+def _hold_back(delta: str, stops: list[str]) -> str:
+    """Keep back a trailing partial character and any tail that could start a stop string."""
+    while delta.endswith("\ufffd"):
+        delta = delta[:-1]
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(delta)), 0, -1):
+            if delta.endswith(stop[:k]):
+                delta = delta[:-k]
+                break
+    return delta

@@ -1,0 +1,38 @@
+"""CUDA graphs for decode give the same greedy tokens as eager decode (GPU only)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantfw.engine import LLM, SamplingParams
+
+PROMPTS = [[1, 5, 6, 7], [1, 9, 10, 11, 12, 13, 14, 15], [1, 30], [1, 40, 41, 42, 43, 44, 45]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["sdpa", "auto"])
+def test_cuda_graph_decode_matches_eager(tiny_llama, backend):
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for graphs in (False, True):
+        llm = LLM(
+            tiny_llama,
+            dtype="float32",
+            max_num_seqs=4,
+            max_model_len=128,
+            cuda_graphs=graphs,
+            attention_backend=backend,
+        )
+        assert (llm.engine.runner.graphs is not None) == graphs
+        outs[graphs] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)]
+        del llm
+        torch.cuda.empty_cache()
+    assert outs[True] == outs[False]
+
+
+def test_cuda_graphs_refused_on_cpu(tiny_llama):
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only check")
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        LLM(tiny_llama, max_num_seqs=2, cuda_graphs=True)

@@ -1,6 +1,7 @@
 """The ``quantfw`` command. Each subcommand lives in its own module exposing
-``add_parser(subparsers)`` (which sets ``func`` on its parser); modules are imported lazily so
-``quantfw --help`` stays fast and a missing optional extra only breaks its own subcommand."""
+``add_parser(subparsers)`` (which sets ``func`` on its parser); heavy or optional imports
+(transformers, fastapi) happen inside the subcommand's ``func``, so ``quantfw --help`` works
+without the optional extras."""
 
 from __future__ import annotations
 
@@ -28,13 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"quantfw {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in SUBCOMMANDS:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            if e.name == module_name:
-                continue  # subcommand not built yet
-            raise
-        module.add_parser(subparsers)
+        importlib.import_module(module_name).add_parser(subparsers)
     return parser
 
 

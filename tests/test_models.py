@@ -165,3 +165,15 @@ def test_hub_repo_id_from_offline_cache(hf_checkpoint, random_ids, rel_err, tmp_
     ids = random_ids(seq=11)
     with torch.no_grad():
         assert rel_err(model(ids), hf_model(ids).logits) <= TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_cuda_matches_transformers(family, hf_checkpoint, random_ids, rel_err):
+    hf_model, folder = hf_checkpoint(family)
+    model = quantfw.load_model(folder, device="cuda", dtype="float32")
+    ids = random_ids(hf_model.config.vocab_size, batch=2, seq=37)
+    with torch.no_grad():
+        expected = hf_model(ids).logits
+        got = model(ids.cuda()).cpu()
+    assert rel_err(got, expected) <= 1e-3

@@ -140,6 +140,7 @@ def quant_ref():
         exports = EXPORTS
         error = staticmethod(relative_error)
         model = staticmethod(reference_model)
+        weights = staticmethod(dequantized_weights)
         ids = staticmethod(random_ids)
 
     return Helpers

@@ -45,8 +45,18 @@ def build_metadata(
         query_pos=_long(query_pos, device).view(len(batch.slots), max_q),
         flat_to_padded=_long(flat_to_padded, device),
         max_query_len=max_q,
-        max_context_len=max(batch.context_lens),
+        max_context_len=_context_bucket(max(batch.context_lens), max_model_len),
     )
+
+
+#: Attention reads the cache up to a multiple of this many positions (the mask hides the rest),
+#: so eager steps see a new key length once per bucket instead of once per token: attention
+#: libraries plan per shape (cuDNN SDPA on Hopper spent ~40 ms re-planning every decode step).
+CONTEXT_BUCKET = 256
+
+
+def _context_bucket(length: int, max_model_len: int) -> int:
+    return min(max_model_len, -(-length // CONTEXT_BUCKET) * CONTEXT_BUCKET)
 
 
 class DecodeGraphs:

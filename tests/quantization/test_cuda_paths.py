@@ -1,5 +1,6 @@
-"""The CUDA paths of AWQ and GPTQ (torch tinygemm for 4-bit, dequantize fallback otherwise)
-against the fp32 reference dequantization, layer by layer (GPU only)."""
+"""The CUDA paths of AWQ and GPTQ against the fp32 reference dequantization, layer by layer
+(GPU only): our Triton W4A16 kernels for 4-bit fp16/bf16, torch tinygemm (bf16 inside) for
+4-bit float32, the dequantize fallback for 3-bit."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ def _reference_weight(prefix: str, weights: dict[str, torch.Tensor]) -> torch.Te
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,tol", [(torch.float16, 2e-3), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize(
+    "dtype,tol", [(torch.float16, 2e-3), (torch.bfloat16, 1e-2), (torch.float32, 1e-2)]
+)
 @pytest.mark.parametrize("name", NAMES)
 def test_cuda_layers_match_reference(name, dtype, tol, exported, quant_ref):
     folder = exported("llama", name)
@@ -41,3 +44,10 @@ def test_cuda_layers_match_reference(name, dtype, tol, exported, quant_ref):
             assert err <= tol, f"{name} {prefix} M={m} {dtype}: relative error {err:.2e}"
         checked += 1
     assert checked == 8
+    fused = name != "gptq3_v1_g128"
+    runtime = "w4a16_weight" if dtype != torch.float32 else "int4_weight"
+    assert all(hasattr(m, runtime) == fused for m in _quantized(model))
+
+
+def _quantized(model):
+    return [m for m in model.modules() if isinstance(m, LinearBase) and not hasattr(m, "weight")]

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantfw.kernels import reference, torch_ops
+from quantfw.kernels import reference, torch_ops, w4a16
 from quantfw.layers.quantization import int4
 from quantfw.layers.quantization.base import (
     LinearMethodBase,
@@ -156,6 +156,14 @@ class AWQLinearMethod(LinearMethodBase):
         layer.awq_group_size = group_size
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if int4.w4a16_available(layer.qweight.device, layer.scales.dtype):
+            # the Triton kernels read AWQ's own layout: no repack of the weight
+            packed = w4a16.repack_awq(
+                layer.qweight.data, layer.qzeros.data, layer.scales.data, layer.awq_group_size
+            )
+            int4.attach_w4a16(layer, packed)
+            int4.drop_parameters(layer, _PARAMS)
+            return
         if not torch_ops.fused_int4_available(layer.qweight.device):
             return  # apply dequantizes on the fly
         codes = reference.unpack_awq(layer.qweight.data)
@@ -167,6 +175,8 @@ class AWQLinearMethod(LinearMethodBase):
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
+        if int4.has_w4a16(layer):
+            return int4.apply_w4a16(layer, x, bias)
         if int4.has_int4pack(layer):
             return int4.apply_int4pack(layer, x, bias)
         weight = reference.dequantize_awq(

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantfw.kernels import reference, torch_ops
+from quantfw.kernels import reference, torch_ops, w4a16
 from quantfw.layers.quantization import int4
 from quantfw.layers.quantization.base import (
     LinearMethodBase,
@@ -211,6 +211,19 @@ class GPTQLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         cfg = self.config
         g = self._local_groups(layer)
+        if cfg.bits == 4 and int4.w4a16_available(layer.qweight.device, layer.scales.dtype):
+            packed = w4a16.repack_gptq(
+                layer.qweight.data,
+                layer.qzeros.data,
+                layer.scales.data,
+                g,
+                cfg.group_size,
+                sym=cfg.sym,
+                checkpoint_format=cfg.checkpoint_format,
+            )
+            int4.attach_w4a16(layer, packed)
+            int4.drop_parameters(layer, _PARAMS)
+            return
         if cfg.bits != 4 or not torch_ops.fused_int4_available(layer.qweight.device):
             layer.g_idx.data.copy_(g)  # apply dequantizes on the fly with local groups
             return
@@ -222,6 +235,8 @@ class GPTQLinearMethod(LinearMethodBase):
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
+        if int4.has_w4a16(layer):
+            return int4.apply_w4a16(layer, x, bias)
         if int4.has_int4pack(layer):
             return int4.apply_int4pack(layer, x, bias)
         weight = reference.dequantize_gptq(

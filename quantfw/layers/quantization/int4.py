@@ -1,11 +1,19 @@
-"""What AWQ and GPTQ share: shard checks in create_weights and the fused int4 runtime."""
+"""What AWQ and GPTQ share: shard checks in create_weights and the 4-bit runtimes.
+
+Runtime per device, chosen once in process_weights_after_loading:
+
+* CUDA (compute capability >= 8.0) with fp16/bf16 activations: our Triton W4A16 kernels
+  (`quantfw.kernels.w4a16`, layout in docs/kernels-w4a16.md);
+* CPU (and CUDA in float32): torch's fused int4pack ops (`quantfw.kernels.torch_ops`);
+* otherwise: dequantize on every call (the methods' own fallback).
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from quantfw.kernels import torch_ops
+from quantfw.kernels import torch_ops, w4a16
 
 
 def check_divisible(layer: nn.Module, what: str, size: int, divisor: int, why: str) -> None:
@@ -34,6 +42,31 @@ def attach_int4pack(
     layer.register_buffer("int4_gather", pack.gather, persistent=False)
     layer.int4_group_size = pack.group_size
     layer.int4_out_features = codes.shape[1]
+
+
+def w4a16_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the Triton W4A16 kernels serve this device and activation dtype."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def attach_w4a16(layer: nn.Module, packed: w4a16.PackedW4) -> None:
+    layer.w4a16_weight = packed
+
+
+def has_w4a16(layer: nn.Module) -> bool:
+    return getattr(layer, "w4a16_weight", None) is not None
+
+
+def apply_w4a16(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return w4a16.w4a16_matmul(x, layer.w4a16_weight, bias)
 
 
 def has_int4pack(layer: nn.Module) -> bool:

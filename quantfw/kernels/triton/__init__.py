@@ -1,0 +1,1 @@
+"""Triton kernels (imported lazily: only when activations are on CUDA)."""

@@ -1,0 +1,324 @@
+"""W4A16 layout transforms (CPU, run in CI) and the Triton kernels (GPU, marked ``gpu``).
+
+The reference here is deliberately independent of quantfw/kernels/w4a16.py: checkpoints are
+packed and dequantized element by element from the format definitions (AutoAWQ, GPTQ v1/v2)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from quantfw.kernels import w4a16 as W
+
+AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ: nibble i holds column 8c + AWQ_PACK_ORDER[i]
+
+
+# --------------------------------------------------------------------------------------------
+# independent checkpoint writers and dequantizers
+
+
+def _to_i32(words: torch.Tensor) -> torch.Tensor:
+    words = words & 0xFFFFFFFF
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def awq_pack(q: torch.Tensor) -> torch.Tensor:
+    """[R, C] ints 0..15 -> AutoAWQ int32 [R, C/8]."""
+    R, C = q.shape
+    out = torch.zeros(R, C // 8, dtype=torch.int64)
+    for c in range(C // 8):
+        for i in range(8):
+            out[:, c] |= q[:, 8 * c + AWQ_PACK_ORDER[i]].to(torch.int64) << (4 * i)
+    return _to_i32(out)
+
+
+def gptq_pack_rows(q: torch.Tensor) -> torch.Tensor:
+    """[K, N] ints -> GPTQ qweight int32 [K/8, N], nibble i of word r = row 8r + i."""
+    K, N = q.shape
+    out = torch.zeros(K // 8, N, dtype=torch.int64)
+    for r in range(K // 8):
+        for i in range(8):
+            out[r] |= q[8 * r + i].to(torch.int64) << (4 * i)
+    return _to_i32(out)
+
+
+def gptq_pack_cols(z: torch.Tensor) -> torch.Tensor:
+    """[G, N] ints -> GPTQ qzeros int32 [G, N/8], nibble i of word c = column 8c + i."""
+    G, N = z.shape
+    out = torch.zeros(G, N // 8, dtype=torch.int64)
+    for c in range(N // 8):
+        for i in range(8):
+            out[:, c] |= (z[:, 8 * c + i].to(torch.int64) & 0xF) << (4 * i)
+    return _to_i32(out)
+
+
+def nibble(word: torch.Tensor, i: int) -> torch.Tensor:
+    return (word.to(torch.int64) >> (4 * i)) & 0xF
+
+
+def awq_dequant_ref(qweight, qzeros, scales, G) -> torch.Tensor:
+    K, N = qweight.shape[0], qweight.shape[1] * 8
+    w = torch.empty(K, N, dtype=torch.float64)
+    for c in range(N // 8):
+        for i in range(8):
+            n = 8 * c + AWQ_PACK_ORDER[i]
+            q = nibble(qweight[:, c], i)
+            z = nibble(qzeros[:, c], i)
+            s = scales[:, n].double()
+            g = torch.arange(K) // G
+            w[:, n] = (q - z[g]).double() * s[g]
+    return w
+
+
+def gptq_dequant_ref(qweight, qzeros, scales, g_idx, v1: bool) -> torch.Tensor:
+    K, N = qweight.shape[0] * 8, qweight.shape[1]
+    q = torch.empty(K, N, dtype=torch.int64)
+    for r in range(K // 8):
+        for i in range(8):
+            q[8 * r + i] = nibble(qweight[r], i)
+    z = torch.empty(scales.shape[0], N, dtype=torch.int64)
+    for c in range(N // 8):
+        for i in range(8):
+            z[:, 8 * c + i] = nibble(qzeros[:, c], i)
+    if v1:
+        z = z + 1
+    g = g_idx.long()
+    return (q - z[g]).double() * scales.double()[g]
+
+
+def rand_scales(rows, cols, gen):
+    return (torch.rand(rows, cols, generator=gen) * 0.02 + 0.002).to(torch.float16)
+
+
+def make_awq(K, N, G, seed):
+    gen = torch.Generator().manual_seed(seed)
+    gs = K if G == -1 else G
+    ng = -(-K // gs)
+    q = torch.randint(0, 16, (K, N), generator=gen)
+    z = torch.randint(0, 16, (ng, N), generator=gen)
+    s = rand_scales(ng, N, gen)
+    qweight, qzeros = awq_pack(q), awq_pack(z)
+    return (qweight, qzeros, s), awq_dequant_ref(qweight, qzeros, s, gs)
+
+
+def make_gptq(K, N, G, seed, *, sym, v1, act_order, zeros_none=False):
+    gen = torch.Generator().manual_seed(seed)
+    gs = K if G == -1 else G
+    ng = -(-K // gs)
+    q = torch.randint(0, 16, (K, N), generator=gen)
+    if sym:
+        z = torch.full((ng, N), 8)
+    else:
+        z = torch.randint(1 if v1 else 0, 16, (ng, N), generator=gen)
+    s = rand_scales(ng, N, gen)
+    g_idx = torch.arange(K) // gs
+    if act_order:
+        g_idx = g_idx[torch.randperm(K, generator=gen)]
+    qweight = gptq_pack_rows(q)
+    qzeros = gptq_pack_cols(z - 1 if v1 else z)
+    ref = gptq_dequant_ref(qweight, qzeros, s, g_idx, v1)
+    return (qweight, None if zeros_none else qzeros, s, g_idx.to(torch.int32)), ref
+
+
+def _rel(out, ref):
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def _check_cpu(packed, ref_w, seed):
+    K, N = ref_w.shape
+    # the packed layout, read back by the CPU twin, undoes the act-order sort exactly
+    w = W.dequantize_packed(packed).double()
+    if packed.perm is not None:
+        inv = torch.empty_like(packed.perm)
+        inv[packed.perm] = torch.arange(K)
+        w = w[inv]
+    torch.testing.assert_close(w, ref_w, rtol=0, atol=0)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(3, 2, K, generator=gen).to(torch.float16)
+    bias = torch.randn(N, generator=gen).to(torch.float16)
+    out = W.w4a16_matmul(x, packed, bias)
+    assert out.shape == (3, 2, N) and out.dtype == torch.float16
+    ref = x.double() @ ref_w + bias.double()
+    assert _rel(out, ref) < 2e-3
+
+
+# --------------------------------------------------------------------------------------------
+# CPU: layout transforms against the independent reference
+
+
+@pytest.mark.parametrize("G,n_groups", [(32, 3), (64, 5), (128, 3), (-1, 1)])
+def test_awq_repack_matches_reference(G, n_groups):
+    K = 96 if G == -1 else G * n_groups
+    N = 40
+    (qw, qz, s), ref = make_awq(K, N, G, seed=K + N)
+    packed = W.repack_awq(qw, qz, s, G)
+    assert packed.perm is None and packed.qweight.shape == (K, N // 8)
+    _check_cpu(packed, ref, seed=1)
+
+
+@pytest.mark.parametrize("G", [32, 64, 128, -1])
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("v1", [True, False])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_repack_matches_reference(G, sym, v1, act_order):
+    K = 96 if G == -1 else G * 3
+    N = 24
+    seed = hash((G, sym, v1, act_order)) % 1000
+    (qw, qz, s, g_idx), ref = make_gptq(K, N, G, seed, sym=sym, v1=v1, act_order=act_order)
+    fmt = "gptq" if v1 else "gptq_v2"
+    packed = W.repack_gptq(qw, qz, s, g_idx, G, sym, fmt)
+    assert (packed.perm is not None) == (act_order and G != -1)
+    if packed.perm is not None:
+        assert packed.group_size == G  # a real act-order schedule keeps whole groups
+    _check_cpu(packed, ref, seed=seed)
+
+
+def test_gptq_sym_without_qzeros():
+    (qw, _, s, g_idx), ref = make_gptq(
+        256, 16, 64, 7, sym=True, v1=False, act_order=True, zeros_none=True
+    )
+    packed = W.repack_gptq(qw, None, s, g_idx, 64, True, "gptq_v2")
+    _check_cpu(packed, ref, seed=7)
+
+
+def test_gptq_irregular_groups():
+    """g_idx with uneven, shuffled groups: rows are sorted and split into gcd-sized chunks."""
+    K, N, ng = 128, 16, 5
+    gen = torch.Generator().manual_seed(3)
+    g_idx = torch.randint(0, ng, (K,), generator=gen)
+    q = torch.randint(0, 16, (K, N), generator=gen)
+    z = torch.randint(0, 16, (ng, N), generator=gen)
+    s = rand_scales(ng, N, gen)
+    qw, qz = gptq_pack_rows(q), gptq_pack_cols(z)
+    ref = gptq_dequant_ref(qw, qz, s, g_idx, v1=False)
+    packed = W.repack_gptq(qw, qz, s, g_idx, 32, False, "gptq_v2")
+    _check_cpu(packed, ref, seed=3)
+
+
+def test_pack_unpack_roundtrip():
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (7, 64), generator=gen)
+    for order in (W.NIBBLE_OF, None):
+        assert torch.equal(W.unpack_cols(W.pack_cols(q, order), order).long(), q)
+    # the module's AWQ order is the inverse of AutoAWQ's pack order
+    assert torch.equal(W.pack_cols(q), awq_pack(q))
+    q8 = torch.randint(0, 16, (16, 24), generator=gen)
+    assert torch.equal(W.unpack_rows(gptq_pack_rows(q8)).long(), q8)
+
+
+def test_errors_name_the_problem():
+    (qw, qz, s), _ = make_awq(64, 16, 32, 0)
+    with pytest.raises(ValueError, match="awq scales"):
+        W.repack_awq(qw, qz, s[:1], 32)
+    (qw, qz, s, g), _ = make_gptq(64, 16, 32, 0, sym=False, v1=False, act_order=False)
+    with pytest.raises(ValueError, match="checkpoint_format"):
+        W.repack_gptq(qw, qz, s, g, 32, False, "marlin")
+    bad = torch.full_like(qz, -1)  # every stored v1 zero 15 -> z = 16
+    with pytest.raises(ValueError, match="16"):
+        W.repack_gptq(qw, bad, s, g, 32, False, "gptq")
+    packed = W.repack_awq(*make_awq(64, 16, 32, 0)[0], 32)
+    with pytest.raises(ValueError, match="input features"):
+        W.w4a16_matmul(torch.randn(2, 63).half(), packed)
+
+
+def test_cpu_path_does_not_import_triton_kernels():
+    packed = W.repack_awq(*make_awq(64, 16, 32, 1)[0], 32)
+    W.w4a16_matmul(torch.randn(2, 64).half(), packed)
+    assert "quantfw.kernels.triton.w4a16_kernels" not in sys.modules
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: Triton kernels against the fp32 dequantized reference
+
+gpu = pytest.mark.gpu
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def _gpu_case(fmt, K, N, G, seed):
+    if fmt == "awq":
+        (qw, qz, s), ref = make_awq(K, N, G, seed)
+        packed = W.repack_awq(qw, qz, s, G)
+    else:
+        (qw, qz, s, g), ref = make_gptq(
+            K, N, G, seed, sym=fmt == "gptq_sym", v1=True, act_order=True
+        )
+        packed = W.repack_gptq(qw, qz, s, g, G, fmt == "gptq_sym", "gptq")
+    return packed.to("cuda"), ref.float().cuda()
+
+
+def _gpu_check(packed, ref_w, M, dtype, seed, bias=True, config=None):
+    from quantfw.kernels.triton.w4a16_kernels import w4a16_matmul_cuda
+
+    K, N = ref_w.shape
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(M, K, device="cuda", generator=gen).to(dtype)
+    b = torch.randn(N, device="cuda", generator=gen).to(dtype) if bias else None
+    if config is None:
+        out = W.w4a16_matmul(x, packed, b)
+    else:
+        xp = x if packed.perm is None else x.index_select(1, packed.perm)
+        out = w4a16_matmul_cuda(xp.contiguous(), packed, b, config=config)
+    ref = x.float() @ ref_w + (b.float() if bias else 0)
+    assert out.shape == (M, N) and out.dtype == dtype
+    assert torch.isfinite(out).all()
+    err = _rel(out, ref)
+    assert err < TOL[dtype], f"M={M} {dtype} config={config}: rel err {err:.3e}"
+    return err
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("fmt,G", [("awq", 128), ("awq", 32), ("gptq_asym", 64), ("gptq_sym", -1)])
+def test_gpu_matches_reference(fmt, G, dtype):
+    packed, ref_w = _gpu_case(fmt, 640, 392, G, seed=11)
+    for i, M in enumerate((1, 3, 16, 37, 300)):
+        _gpu_check(packed, ref_w, M, dtype, seed=100 + i)
+
+
+@gpu
+@pytest.mark.parametrize("M", [1, 2, 4, 16, 64, 300])
+def test_gpu_every_candidate_config(M):
+    from quantfw.kernels.triton.w4a16_kernels import candidate_configs
+
+    packed, ref_w = _gpu_case("awq", 1024, 768, 128, seed=5)
+    for cfg in candidate_configs(M):
+        _gpu_check(packed, ref_w, M, torch.float16, seed=M, config=cfg)
+
+
+@gpu
+def test_gpu_irregular_groups_fall_back():
+    K, N, ng = 256, 64, 7
+    gen = torch.Generator().manual_seed(9)
+    g_idx = torch.randint(0, ng, (K,), generator=gen)
+    q = torch.randint(0, 16, (K, N), generator=gen)
+    z = torch.randint(0, 16, (ng, N), generator=gen)
+    s = rand_scales(ng, N, gen)
+    qw, qz = gptq_pack_rows(q), gptq_pack_cols(z)
+    ref = gptq_dequant_ref(qw, qz, s, g_idx, v1=False).float().cuda()
+    packed = W.repack_gptq(qw, qz, s, g_idx, 32, False, "gptq_v2").to("cuda")
+    _gpu_check(packed, ref, 5, torch.float16, seed=1)
+
+
+@gpu
+@pytest.mark.parametrize("M", [1, 16, 128])
+def test_gpu_cuda_graph_capture(M):
+    packed, ref_w = _gpu_case("gptq_asym", 512, 256, 128, seed=3)
+    K, N = ref_w.shape
+    x = torch.randn(M, K, device="cuda").half()
+    bias = torch.randn(N, device="cuda").half()
+    W.w4a16_matmul(x, packed, bias)  # warm-up: compile outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = W.w4a16_matmul(x, packed, bias)
+    for _ in range(2):
+        x.copy_(torch.randn(M, K, device="cuda").half())
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        ref = x.float() @ ref_w + bias.float()
+        assert torch.isfinite(out).all()
+        assert _rel(out, ref) < 2e-3

@@ -135,7 +135,7 @@ def load_shared_by_parts(param: torch.Tensor, loaded: torch.Tensor, *, part: obj
         param._loaded_by_a_part = True
         return
     if tuple(loaded.shape) != tuple(param.shape) or not torch.equal(
-        loaded.to(param.dtype), param.data
+        loaded.to(device=param.device, dtype=param.dtype), param.data
     ):
         raise ShardShapeError(
             f"fused part {part!r} carries a different value than an earlier part of this "

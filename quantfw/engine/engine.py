@@ -132,7 +132,7 @@ class LLMEngine:
             device=self.device,
             memory_utilization=gpu_memory_utilization,
         )
-        backend = select_backend(attention_backend, self.device)
+        backend = select_backend(attention_backend, self.device, self.model_config.dtype)
         if isinstance(backend, FlashInferBackend):
             layer = next(m for m in self.model.modules() if hasattr(m, "kv_cache"))
             backend.configure(

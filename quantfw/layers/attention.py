@@ -246,13 +246,23 @@ def flashinfer_available() -> bool:
     return True
 
 
-def select_backend(name: str, device: torch.device) -> AttentionBackend:
-    """``"auto"`` (FlashInfer on CUDA when installed, else SDPA), ``"sdpa"`` or ``"flashinfer"``."""
+FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def select_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """``"auto"`` (FlashInfer on CUDA for fp16/bf16 caches when installed, else SDPA),
+    ``"sdpa"`` or ``"flashinfer"``."""
     if name == "auto":
-        name = "flashinfer" if device.type == "cuda" and flashinfer_available() else "sdpa"
+        usable = device.type == "cuda" and dtype in FLASHINFER_DTYPES
+        name = "flashinfer" if usable and flashinfer_available() else "sdpa"
     if name == "sdpa":
         return SDPABackend()
     if name == "flashinfer":
+        if dtype not in FLASHINFER_DTYPES:
+            raise ValueError(
+                f"attention_backend='flashinfer' needs a float16 or bfloat16 model, got {dtype}; "
+                "use attention_backend='sdpa'"
+            )
         if device.type != "cuda":
             raise ValueError("attention_backend='flashinfer' needs a CUDA device")
         return FlashInferBackend(device)

@@ -84,14 +84,16 @@ def build_tokenizer(path: str) -> None:
     fast.save_pretrained(path)
 
 
-def build_model(path: str, arch: str = "llama", *, layers: int = 2, seed: int = 0) -> str:
+def build_model(
+    path: str, arch: str = "llama", *, layers: int = 2, seed: int = 0, hidden_size: int = 64
+) -> str:
     """Save a random fp32 model (weights scaled so greedy choices have clear margins) plus the
     tokenizer into `path`; returns `path`."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
     common = dict(
         vocab_size=VOCAB_SIZE,
-        hidden_size=64,
+        hidden_size=hidden_size,
         intermediate_size=128,
         num_hidden_layers=layers,
         num_attention_heads=4,

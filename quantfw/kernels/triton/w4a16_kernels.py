@@ -2,9 +2,9 @@
 
 Three paths (chosen per M bucket and shape by a cached config, see tune()):
 
-* ``_w4a16_gemv_kernel`` (M <= 4): CUDA-core split-K GEMV; each program dequantizes a
-  [BLOCK_K, BLOCK_N] tile of weights once and reuses it for the (up to 4) activation rows.
-* ``_w4a16_mm_kernel`` (M > 4): tensor-core tiled GEMM (``tl.dot``: mma on Ampere, wgmma on
+* ``_w4a16_gemv_kernel`` (M = 1 by default, up to 4 if tuned): CUDA-core split-K GEMV; each
+  program dequantizes a [BLOCK_K, BLOCK_N] tile once and reuses it for every activation row.
+* ``_w4a16_mm_kernel`` (otherwise below M = 256): tensor-core tiled GEMM (``tl.dot``: mma on Ampere, wgmma on
   Hopper) with the weight tile dequantized in registers; split-K for skinny shapes.
 * ``_w4a16_dequant_kernel`` + cuBLAS (M >= 256 by default): dequantize into a transient
   [K, N] buffer (freed after the call; never kept), then ``torch.mm``.
@@ -15,8 +15,8 @@ pair (1024 + z) is exact, then one multiply by the scale pair (``sub.f16x2``, ``
 bf16 uses 128 = 0x4300 and the bf16x2 forms).  Without inline PTX the same values come out of
 plain integer/float ops (``USE_ASM=False``, also what the Triton CPU interpreter runs).
 
-Split-K partial sums are combined with atomics: into the fp16 output directly, or into an fp32
-workspace for bf16.  Nothing here synchronizes with the host, so a call is safe under CUDA
+Split-K partial sums are combined with atomics into an fp32 workspace (fp16 atomics lost
+precision), then cast.  Nothing here synchronizes with the host, so a call is safe under CUDA
 graph capture once its config has been compiled (warm up before capturing).
 """
 
@@ -108,6 +108,7 @@ def _w4a16_gemv_kernel(
     out_ptr,
     M,
     N,
+    N8,  # N // 8, passed so that Triton sees its divisibility and vectorizes loads
     K,
     G,
     k_per_split,
@@ -124,7 +125,6 @@ def _w4a16_gemv_kernel(
     BN8: tl.constexpr = BLOCK_N // 8
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    N8 = N // 8
     offs_n8 = pid_n * BN8 + tl.arange(0, BN8)
     mask_n8 = offs_n8 < N8
     offs_m = tl.arange(0, BLOCK_M)
@@ -157,7 +157,7 @@ def _w4a16_gemv_kernel(
         ).to(tl.float32)
         x3 = x[:, :, None]
         o0, o1, o2, o3, o4, o5, o6, o7 = _dequant8(
-            w, zw, sc_ptr + g * (N // 2), offs_n8, mask_g, IS_BF16, USE_ASM
+            w, zw, sc_ptr + g * (N8 * 4), offs_n8, mask_g, IS_BF16, USE_ASM
         )
         a0 += tl.sum(x3 * o0.to(tl.float32)[None, :, :], axis=1)
         a1 += tl.sum(x3 * o1.to(tl.float32)[None, :, :], axis=1)
@@ -192,6 +192,7 @@ def _w4a16_mm_kernel(
     out_ptr,
     M,
     N,
+    N8,  # N // 8, passed so that Triton sees its divisibility and vectorizes loads
     K,
     G,
     k_per_split,
@@ -218,7 +219,6 @@ def _w4a16_mm_kernel(
     pid_m = first_m + ((pid % num_in_group) % group_rows)
     pid_n = (pid % num_in_group) // group_rows
 
-    N8 = N // 8
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
     offs_n8 = pid_n * BN8 + tl.arange(0, BN8)
@@ -243,7 +243,7 @@ def _w4a16_mm_kernel(
         mask_g = mask_n8 & (k0 < K)
         zw = tl.load(qz_ptr + g * N8 + offs_n8, mask=mask_g, other=0)
         o0, o1, o2, o3, o4, o5, o6, o7 = _dequant8(
-            w, zw, sc_ptr + g * (N // 2), offs_n8, mask_g, IS_BF16, USE_ASM
+            w, zw, sc_ptr + g * (N8 * 4), offs_n8, mask_g, IS_BF16, USE_ASM
         )
         b = _interleave8(o0, o1, o2, o3, o4, o5, o6, o7, BLOCK_K, BLOCK_N)
         acc = tl.dot(a, b, acc)
@@ -268,6 +268,7 @@ def _w4a16_dequant_kernel(
     sc_ptr,
     w_ptr,  # out: [K, N] in the activation dtype
     N,
+    N8,
     K,
     G,
     BLOCK_N: tl.constexpr,
@@ -279,7 +280,6 @@ def _w4a16_dequant_kernel(
     BN8: tl.constexpr = BLOCK_N // 8
     pid_n = tl.program_id(0)
     k0 = tl.program_id(1) * BLOCK_K
-    N8 = N // 8
     offs_n8 = pid_n * BN8 + tl.arange(0, BN8)
     mask_n8 = offs_n8 < N8
     offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -292,7 +292,7 @@ def _w4a16_dequant_kernel(
     g = k0 // G
     zw = tl.load(qz_ptr + g * N8 + offs_n8, mask=mask_n8, other=0)
     o0, o1, o2, o3, o4, o5, o6, o7 = _dequant8(
-        w, zw, sc_ptr + g * (N // 2), offs_n8, mask_n8, IS_BF16, USE_ASM
+        w, zw, sc_ptr + g * (N8 * 4), offs_n8, mask_n8, IS_BF16, USE_ASM
     )
     b = _interleave8(o0, o1, o2, o3, o4, o5, o6, o7, BLOCK_K, BLOCK_N)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -335,8 +335,11 @@ def _fit_block_k(bk: int, G: int, K: int) -> int:
 
 
 def default_config(M: int, N: int, K: int, G: int) -> tuple:
-    if M <= GEMV_MAX_M:
-        return ("gemv", _m_bucket(M), 256, 128, 4, 1, 0)
+    # measured with rotated weights on H100 and H200 (benchmarks/results, docs/kernels-w4a16.md):
+    # the GEMV wins only at M = 1 and N < 16384 (gate_up 4096x24576: GEMV 75 us, tensor-core
+    # kernel 49 us on H200); from M = 2 the tensor-core kernel (the M = 4 GEMV was 3.4x slower)
+    if M == 1 and N < 16384:
+        return ("gemv", 1, 256, 128, 4, 1, 0)
     if M <= 16:
         return ("mm", 16, 64, 128, 4, 4, 0)
     if M <= 32:
@@ -430,15 +433,15 @@ def _launch(x2, packed, bias, cfg, use_asm):
         w = torch.empty(K, N, device=x2.device, dtype=x2.dtype)
         grid = (triton.cdiv(N, bn), triton.cdiv(K, bk))
         _w4a16_dequant_kernel[grid](
-            packed.qweight, packed.qzeros, sc, w, N, K, G,
+            packed.qweight, packed.qzeros, sc, w, N, N // 8, K, G,
             BLOCK_N=bn, BLOCK_K=bk, IS_BF16=is_bf16, USE_ASM=use_asm,
             num_warps=warps, num_stages=stages,
         )  # fmt: skip
         return torch.mm(x2, w) if bias is None else torch.addmm(bias, x2, w)
     split, kps = _split_k(cfg, M, N, K, x2.device)
     atomic = split > 1
-    if atomic:
-        out = torch.zeros(M, N, device=x2.device, dtype=torch.float32 if is_bf16 else x2.dtype)
+    if atomic:  # split-K partial sums meet in fp32 (fp16 atomics reached 2e-3 relative error)
+        out = torch.zeros(M, N, device=x2.device, dtype=torch.float32)
     else:
         out = torch.empty(M, N, device=x2.device, dtype=x2.dtype)
     has_bias = bias is not None
@@ -454,7 +457,7 @@ def _launch(x2, packed, bias, cfg, use_asm):
         num_warps=warps,
         num_stages=stages,
     )
-    args = (x2, packed.qweight, packed.qzeros, sc, bias_arg, out, M, N, K, G, kps)
+    args = (x2, packed.qweight, packed.qzeros, sc, bias_arg, out, M, N, N // 8, K, G, kps)
     args += (x2.stride(0), out.stride(0))
     if kind == "gemv":
         grid = (triton.cdiv(N, bn), split)
@@ -515,7 +518,10 @@ def w4a16_matmul_cuda(x2, packed, bias=None, config: tuple | None = None):
 def tune(x2, packed, bias=None, rep_ms: float = 20.0, bench=None) -> tuple:
     """Time candidate_configs for this (M bucket, shape, dtype) and cache the fastest.
 
-    Done once per bucket at warm-up; the hot path then only does a dict lookup."""
+    Done once per bucket at warm-up; the hot path then only does a dict lookup. `bench(cfg)`,
+    when given, returns the time of one call with `cfg`: pass one that rotates weight copies
+    past L2, because timing one copy (the default) favours configs that only win when the
+    weight is cached (seen on H200: a config 3x slower on cold weights was picked)."""
     import triton.testing
 
     M = x2.shape[0]
@@ -531,7 +537,7 @@ def tune(x2, packed, bias=None, rep_ms: float = 20.0, bench=None) -> tuple:
                     return_mode="median",
                 )
             else:
-                t = bench(lambda cfg=cfg: w4a16_matmul_cuda(x2, packed, bias, config=cfg))
+                t = bench(cfg)
         except Exception:  # a config the compiler rejects (shared memory, registers): skip it
             continue
         if t < best_t:

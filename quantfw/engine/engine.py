@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-from quantfw import distributed as qdist
-from quantfw.config import LoadConfig, ModelConfig
+from quantfw.api import load_model_with_config
 from quantfw.engine.kv_cache import KVCache
 from quantfw.engine.runner import ModelRunner
 from quantfw.engine.sampler import sample
@@ -25,7 +24,6 @@ from quantfw.engine.sampling_params import SamplingParams
 from quantfw.engine.scheduler import Scheduler
 from quantfw.engine.sequence import CompletionOutput, RequestOutput, Sequence
 from quantfw.layers.attention import FlashInferBackend, select_backend
-from quantfw.loaders import get_model_loader
 
 
 @dataclass
@@ -102,21 +100,19 @@ class LLMEngine:
             raise ValueError(f"max_num_seqs={max_num_seqs} must be >= 1")
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization} must be in (0, 1]")
-        qdist.init_distributed(tensor_parallel_size)
-        self.model_config = ModelConfig(
+        self.model_config, self.model = load_model_with_config(
             model,
-            revision=revision,
-            dtype=dtype,
             quantization=quantization,
-            max_model_len=max_model_len,
+            dtype=dtype,
+            device=device,
+            load_format=load_format,
+            revision=revision,
             download_dir=download_dir,
+            tensor_parallel_size=tensor_parallel_size,
+            max_model_len=max_model_len,
         )
         self.max_model_len = self.model_config.max_model_len
-        self.device = torch.device(device) if device is not None else qdist.default_device()
-        load_config = LoadConfig(
-            load_format=load_format, download_dir=download_dir, revision=revision
-        )
-        self.model = get_model_loader(load_config).load_model(self.model_config, self.device)
+        self.device = next(self.model.parameters()).device
         if not hasattr(self.model, "forward_cached"):
             raise ValueError(
                 f"{type(self.model).__name__} has no cache-aware forward_cached(); "

@@ -175,10 +175,9 @@ class AWQLinearMethod(LinearMethodBase):
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if int4.has_w4a16(layer):
-            return int4.apply_w4a16(layer, x, bias)
-        if int4.has_int4pack(layer):
-            return int4.apply_int4pack(layer, x, bias)
+        out = int4.apply_packed(layer, x, bias)
+        if out is not None:
+            return out
         weight = reference.dequantize_awq(
             layer.qweight, layer.qzeros, layer.scales, layer.awq_group_size
         )

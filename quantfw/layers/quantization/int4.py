@@ -61,12 +61,16 @@ def attach_w4a16(layer: nn.Module, packed: w4a16.PackedW4) -> None:
     layer.w4a16_weight = packed
 
 
-def has_w4a16(layer: nn.Module) -> bool:
-    return getattr(layer, "w4a16_weight", None) is not None
-
-
-def apply_w4a16(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return w4a16.w4a16_matmul(x, layer.w4a16_weight, bias)
+def apply_packed(
+    layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The layer's output through whichever 4-bit runtime it was repacked for, or None when it
+    kept the checkpoint tensors (the method then dequantizes)."""
+    if getattr(layer, "w4a16_weight", None) is not None:
+        return w4a16.w4a16_matmul(x, layer.w4a16_weight, bias)
+    if has_int4pack(layer):
+        return apply_int4pack(layer, x, bias)
+    return None
 
 
 def has_int4pack(layer: nn.Module) -> bool:

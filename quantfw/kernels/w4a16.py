@@ -12,16 +12,13 @@ and then, per forward,
 which runs the Triton kernels on CUDA and, on CPU, a reference path (dequantize + matmul)
 that reads the very same packed layout: the CPU twin of every layout transform.
 
-Packed layout (see docs/kernels-w4a16.md):
-
-* ``qweight``: int32 ``[K, N // 8]``; word ``[k, c]`` holds columns ``8c .. 8c+7`` of row ``k``;
-  column ``8c + j`` sits in nibble ``NIBBLE_OF[j]`` with ``NIBBLE_OF = (0, 4, 1, 5, 2, 6, 3, 7)``
-  (AutoAWQ's order: nibbles ``j`` and ``j + 4`` of one word are columns ``2j`` and ``2j + 1``, so
-  one ``lop3`` turns a word into an fp16/bf16 pair of adjacent columns).
-* ``qzeros``: int32 ``[ceil(K / G), N // 8]``, same order, the true zero point (0..15).
-* ``scales``: fp16 ``[ceil(K / G), N]``.
-* ``w[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n]``, ``out = x[:, perm] @ w`` where ``perm`` is
-  the act-order row permutation (None when rows are already in group order).
+Packed layout (see docs/kernels-w4a16.md and quantfw/kernels/triton/w4a16_mma.py): the words
+are arranged so that each GPU lane's 128-bit load holds exactly the ``mma.m16n8k16`` B-fragment
+nibbles it needs (``pack_mma``), and scale + zero of a column share one 32-bit word in the
+activation dtype (``pack_mma_scales``).  K and N are padded to multiples of 16 and 64 with zero
+weights; ``in_features``/``out_features`` keep the true sizes.
+``w[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n]``, ``out = x[:, perm] @ w`` where ``perm`` is
+the act-order row permutation (None when rows are already in group order).
 """
 
 from __future__ import annotations
@@ -43,6 +40,10 @@ __all__ = [
     "repack_gptq",
     "w4a16_matmul",
     "dequantize_packed",
+    "pack_mma",
+    "unpack_mma",
+    "pack_mma_scales",
+    "unpack_mma_scales",
     "unpack_cols",
     "pack_cols",
     "unpack_rows",
@@ -53,35 +54,34 @@ __all__ = [
 class PackedW4:
     """A 4-bit weight in the kernels' layout (see module docstring)."""
 
-    qweight: torch.Tensor  # int32 [K, N // 8]
-    qzeros: torch.Tensor  # int32 [n_groups, N // 8]
-    scales: torch.Tensor  # fp16 [n_groups, N]
+    qweight: torch.Tensor  # int32 [ceil(N/64), ceil(K/16), 32, 4]  (pack_mma)
+    scales_zeros: torch.Tensor  # int32 [n_groups, ceil(N/64), 8, 8], fp16 halves (pack_mma_scales)
     group_size: int  # rows per group after any act-order sort (K when per-channel)
     in_features: int
     out_features: int
     perm: torch.Tensor | None = None  # int64 [K]: x columns to gather (act-order), or None
-    _scales_by_dtype: dict = field(default_factory=dict, repr=False, compare=False)
+    _sz_by_dtype: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_groups(self) -> int:
-        return self.scales.shape[0]
+        return self.scales_zeros.shape[0]
 
-    def scales_as(self, dtype: torch.dtype) -> torch.Tensor:
-        """Scales in the activation dtype, converted once and cached (bf16 activations)."""
-        if dtype == self.scales.dtype:
-            return self.scales
-        cached = self._scales_by_dtype.get(dtype)
-        if cached is None or cached.device != self.scales.device:
-            cached = self.scales.to(dtype).contiguous()
-            self._scales_by_dtype[dtype] = cached
+    def scales_zeros_as(self, dtype: torch.dtype) -> torch.Tensor:
+        """scales_zeros with both halves in the activation dtype (bf16: converted once, cached)."""
+        if dtype == torch.float16:
+            return self.scales_zeros
+        cached = self._sz_by_dtype.get(dtype)
+        if cached is None or cached.device != self.scales_zeros.device:
+            s, z = unpack_mma_scales(self.scales_zeros)
+            cached = pack_mma_scales(s, z, dtype)
+            self._sz_by_dtype[dtype] = cached
         return cached
 
     def to(self, device) -> PackedW4:
         perm = None if self.perm is None else self.perm.to(device)
         return PackedW4(
             self.qweight.to(device),
-            self.qzeros.to(device),
-            self.scales.to(device),
+            self.scales_zeros.to(device),
             self.group_size,
             self.in_features,
             self.out_features,
@@ -145,8 +145,7 @@ def repack_awq(
     """AWQ (GEMM format) checkpoint tensors -> PackedW4.
 
     qweight int32 [K, N/8] and qzeros int32 [K/G, N/8] packed along N in AutoAWQ's nibble order,
-    scales fp16 [K/G, N]; w = (q - z) * s.  The kernel layout *is* the AWQ layout, so this only
-    validates and makes the tensors contiguous (no copy of the weight when it already is)."""
+    scales fp16 [K/G, N]; w = (q - z) * s.  The nibbles    are unpacked and rearranged into mma fragments (pack_mma)."""
     K, n8 = qweight.shape
     N = n8 * PACK
     G = K if group_size in (-1, 0, None) else int(group_size)
@@ -154,15 +153,7 @@ def repack_awq(
     _check_2d("awq qweight", qweight, (K, n8), torch.int32)
     _check_2d("awq qzeros", qzeros, (ng, n8), torch.int32)
     _check_2d("awq scales", scales, (ng, N))
-    return PackedW4(
-        qweight.contiguous(),
-        qzeros.contiguous(),
-        scales.to(torch.float16).contiguous(),
-        G,
-        K,
-        N,
-        None,
-    )
+    return _pack(unpack_cols(qweight), unpack_cols(qzeros), scales, G, None)
 
 
 def repack_gptq(
@@ -235,17 +226,19 @@ def repack_gptq(
     n_chunks = math.ceil(K / geff)
     chunk_group = g[torch.arange(n_chunks, device=dev) * geff]
     # every row of a chunk must share its group (true by construction of geff)
-    scales_e = scales[chunk_group].to(torch.float16).contiguous()
-    zeros_e = z[chunk_group]
-    return PackedW4(
-        pack_cols(q),
-        pack_cols(zeros_e),
-        scales_e,
-        geff,
-        K,
-        N,
-        perm,
-    )
+    return _pack(q, z[chunk_group], scales[chunk_group], geff, perm)
+
+
+def _pack(
+    q: torch.Tensor, z: torch.Tensor, scales: torch.Tensor, G: int, perm: torch.Tensor | None
+) -> PackedW4:
+    """q [K, N], z / scales [n_groups, N] -> PackedW4, padding K to 16 and N to 64."""
+    K, N = q.shape
+    kp, np_ = -K % MMA_BLOCK_K, -N % MMA_BLOCK_N
+    q = torch.nn.functional.pad(q.to(torch.uint8), (0, np_, 0, kp))
+    z = torch.nn.functional.pad(z.to(torch.int32), (0, np_))
+    scales = torch.nn.functional.pad(scales.to(torch.float16), (0, np_))
+    return PackedW4(pack_mma(q), pack_mma_scales(scales, z, torch.float16), G, K, N, perm)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,11 +247,11 @@ def repack_gptq(
 
 def dequantize_packed(packed: PackedW4, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[K, N] weight in the packed (sorted) row order, computed from the packed layout."""
-    q = unpack_cols(packed.qweight).to(torch.float32)
-    z = unpack_cols(packed.qzeros).to(torch.float32)
-    s = packed.scales.to(torch.float32)
-    rows = torch.arange(packed.in_features, device=q.device) // packed.group_size
-    return ((q - z[rows]) * s[rows]).to(dtype)
+    K, N = packed.in_features, packed.out_features
+    q = unpack_mma(packed.qweight)[:K, :N].to(torch.float32)
+    s, z = unpack_mma_scales(packed.scales_zeros)
+    rows = torch.arange(K, device=q.device) // packed.group_size
+    return ((q - z[rows, :N]) * s[rows, :N]).to(dtype)
 
 
 def _reference_matmul(x2: torch.Tensor, packed: PackedW4) -> torch.Tensor:
@@ -287,3 +280,73 @@ def w4a16_matmul(
             out = out + bias.to(torch.float32)
         out = out.to(x.dtype)
     return out.reshape(*lead, N)
+
+
+# ---------------------------------------------------------------------------------------------
+# the mma-fragment layout of the small-M Gluon kernel (quantfw/kernels/triton/w4a16_mma.py)
+
+MMA_BLOCK_N = 64  # output columns per block: 4 words x 2 mma tiles of 8 columns per lane
+MMA_BLOCK_K = 16  # k per mma step
+_MAGIC = {torch.float16: 1024.0, torch.bfloat16: 128.0}
+
+
+def _mma_views(K: int, N: int) -> None:
+    if N % MMA_BLOCK_N or K % MMA_BLOCK_K:
+        raise ValueError(
+            f"mma layout: needs N % {MMA_BLOCK_N} == 0 and K % {MMA_BLOCK_K} == 0, got K={K}, N={N}"
+        )
+
+
+def pack_mma(q: torch.Tensor) -> torch.Tensor:
+    """uint8/int [K, N] values 0..15 -> int32 [N/64, K/16, 32, 4] (mma B-fragment words).
+
+    Word ``[nb, kb, 4g + c, j]`` nibble ``s = 4h + 2t + e`` (bits ``4s``) holds
+    ``q[16kb + 8e + 2c + h, 64nb + 16j + 8t + g]``."""
+    K, N = q.shape
+    _mma_views(K, N)
+    v = q.to(torch.int64).reshape(K // 16, 2, 4, 2, N // 64, 4, 2, 8)  # kb e c h nb j t g
+    v = v.permute(4, 0, 7, 2, 5, 3, 6, 1)  # nb kb g c j h t e
+    v = v.reshape(N // 64, K // 16, 32, 4, 8)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=q.device)
+    return _u32_to_i32(((v & 0xF) << shifts).sum(-1))
+
+
+def unpack_mma(qf: torch.Tensor) -> torch.Tensor:
+    """int32 [N/64, K/16, 32, 4] -> uint8 [K, N] (inverse of pack_mma)."""
+    nb, kb = qf.shape[:2]
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=qf.device)
+    v = (qf.unsqueeze(-1) >> shifts) & 0xF  # nb kb lane j s
+    v = v.reshape(nb, kb, 8, 4, 4, 2, 2, 2)  # nb kb g c j h t e
+    v = v.permute(1, 7, 3, 5, 0, 4, 6, 2)  # kb e c h nb j t g
+    return v.reshape(kb * 16, nb * 64).to(torch.uint8)
+
+
+def pack_mma_scales(scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """scales [n_groups, N], zeros [n_groups, N] (0..15) -> int32 [n_groups, N/64, 8, 8].
+
+    Entry ``[grp, nb, g, 2j + t]`` is column ``64nb + 16j + 8t + g``: the scale in ``dtype``
+    (low 16 bits) and ``magic + zero`` in ``dtype`` (high 16 bits), magic = 1024 (fp16) or 128
+    (bf16), the value a ``lop3`` with the magic exponent makes of a nibble."""
+    if dtype not in _MAGIC:
+        raise ValueError(f"mma layout: activation dtype must be fp16 or bf16, got {dtype}")
+    ng, N = scales.shape
+    s = scales.to(dtype).view(torch.int16).to(torch.int64) & 0xFFFF
+    zm = (zeros.to(torch.float32) + _MAGIC[dtype]).to(dtype).view(torch.int16).to(torch.int64)
+    word = s | ((zm & 0xFFFF) << 16)
+    word = word.reshape(ng, N // 64, 4, 2, 8).permute(0, 1, 4, 2, 3)  # grp nb g j t
+    return _u32_to_i32(word.reshape(ng, N // 64, 8, 8))
+
+
+def unpack_mma_scales(
+    sz: torch.Tensor, dtype: torch.dtype = torch.float16
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 [n_groups, N/64, 8, 8] with ``dtype`` halves -> (scales fp32, zeros int32) [n_groups, N]."""
+    ng, nb = sz.shape[:2]
+    half = torch.stack([sz & 0xFFFF, (sz >> 16) & 0xFFFF]).to(torch.int16).view(dtype)
+    s = half[0].to(torch.float32)
+    z = (half[1].to(torch.float32) - _MAGIC[dtype]).round().to(torch.int32)
+
+    def columns(t):  # [grp, nb, g, 2j + t] -> column 64 nb + 16 j + 8 t + g
+        return t.reshape(ng, nb, 8, 4, 2).permute(0, 1, 3, 4, 2).reshape(ng, nb * 64)
+
+    return columns(s), columns(z)

@@ -155,7 +155,7 @@ def test_awq_repack_matches_reference(G, n_groups):
     N = 40
     (qw, qz, s), ref = make_awq(K, N, G, seed=K + N)
     packed = W.repack_awq(qw, qz, s, G)
-    assert packed.perm is None and packed.qweight.shape == (K, N // 8)
+    assert packed.perm is None and packed.qweight.shape == (-(-N // 64), -(-K // 16), 32, 4)
     _check_cpu(packed, ref, seed=1)
 
 
@@ -207,6 +207,46 @@ def test_pack_unpack_roundtrip():
     assert torch.equal(W.pack_cols(q), awq_pack(q))
     q8 = torch.randint(0, 16, (16, 24), generator=gen)
     assert torch.equal(W.unpack_rows(gptq_pack_rows(q8)).long(), q8)
+
+
+def test_mma_layout_matches_its_definition():
+    """Word [nb, kb, 4g + c, j], nibble 4h + 2t + e holds q[16kb + 8e + 2c + h, 64nb + 16j + 8t + g]:
+    the B-fragment registers of mma.m16n8k16 (PTX ISA) for the two 8-column tiles t."""
+    gen = torch.Generator().manual_seed(4)
+    K, N = 48, 128
+    q = torch.randint(0, 16, (K, N), generator=gen, dtype=torch.uint8)
+    qf = W.pack_mma(q)
+    assert qf.shape == (2, 3, 32, 4)
+    assert torch.equal(W.unpack_mma(qf), q)
+    words = qf.to(torch.int64) & 0xFFFFFFFF
+    for nb in range(2):
+        for kb in range(3):
+            for lane in range(32):
+                g, c = divmod(lane, 4)
+                for j in range(4):
+                    for s in range(8):
+                        h, t, e = s // 4, (s // 2) % 2, s % 2
+                        k, n = 16 * kb + 8 * e + 2 * c + h, 64 * nb + 16 * j + 8 * t + g
+                        assert (int(words[nb, kb, lane, j]) >> (4 * s)) & 0xF == int(q[k, n])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_mma_scales_roundtrip(dtype):
+    gen = torch.Generator().manual_seed(5)
+    s = rand_scales(3, 192, gen)
+    z = torch.randint(0, 16, (3, 192), generator=gen)
+    sz = W.pack_mma_scales(s, z, dtype)
+    assert sz.shape == (3, 3, 8, 8)
+    s2, z2 = W.unpack_mma_scales(sz, dtype)
+    assert torch.equal(z2, z.to(torch.int32))
+    assert torch.equal(s2, s.to(dtype).float())
+    # entry [grp, nb, g, 2j + t] is column 64 nb + 16 j + 8 t + g: low half scale, high magic + z
+    word = int(sz[1, 2, 5, 2 * 3 + 1]) & 0xFFFFFFFF
+    col = 64 * 2 + 16 * 3 + 8 * 1 + 5
+    lo = torch.tensor([word & 0xFFFF], dtype=torch.int32).to(torch.int16).view(dtype)
+    hi = torch.tensor([word >> 16], dtype=torch.int32).to(torch.int16).view(dtype)
+    assert lo.item() == s[1, col].to(dtype).item()
+    assert hi.item() == (1024.0 if dtype == torch.float16 else 128.0) + z[1, col].item()
 
 
 def test_errors_name_the_problem():
@@ -286,6 +326,23 @@ def test_gpu_every_candidate_config(M):
     packed, ref_w = _gpu_case("awq", 1024, 768, 128, seed=5)
     for cfg in candidate_configs(M):
         _gpu_check(packed, ref_w, M, torch.float16, seed=M, config=cfg)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_split_k_leaves_workspace_clean(dtype):
+    """Split-K CTAs meet in a shared fp32 workspace; the last one must leave it zeroed."""
+    from quantfw.kernels.triton import w4a16_mma as MK
+
+    packed, ref_w = _gpu_case("awq", 4096, 512, 128, seed=8)
+    for M in (1, 16, 40):
+        for cps in (4, 16):
+            split, _ = MK.plan(M, 512, 4096, torch.device("cuda"), 2, 8, cps)
+            assert split > 1
+            for rep in range(2):
+                _gpu_check(packed, ref_w, M, dtype, seed=rep, config=("mma", 2, 8, cps))
+            ws, cnt = MK._WORKSPACE[torch.cuda.current_device()]
+            assert not ws.any() and not cnt.any()
 
 
 @gpu

@@ -1,473 +1,129 @@
-"""Triton W4A16 kernels over the PackedW4 layout (see quantfw/kernels/w4a16.py).
+"""W4A16 on CUDA over the PackedW4 layout (see quantfw/kernels/w4a16.py): dispatch and tuning.
 
-Three paths (chosen per M bucket and shape by a cached config, see tune()):
+Two paths, chosen per M bucket and shape by a cached config (see tune()):
 
-* ``_w4a16_gemv_kernel`` (M = 1 by default, up to 4 if tuned): CUDA-core split-K GEMV; each
-  program dequantizes a [BLOCK_K, BLOCK_N] tile once and reuses it for every activation row.
-* ``_w4a16_mm_kernel`` (otherwise below M = 256): tensor-core tiled GEMM (``tl.dot``: mma on Ampere, wgmma on
-  Hopper) with the weight tile dequantized in registers; split-K for skinny shapes.
-* ``_w4a16_dequant_kernel`` + cuBLAS (M >= 256 by default): dequantize into a transient
-  [K, N] buffer (freed after the call; never kept), then ``torch.mm``.
+* ``("mma", warps, chunk, ctas_per_sm)`` (M <= 64 by default): the Gluon kernel of
+  ``w4a16_mma.py``; weights are dequantized in registers straight into ``mma.sync`` fragments,
+  split-K partials meet in a self-cleaning fp32 workspace inside the one launch.
+* ``("deq", BLOCK_KB, warps)`` (larger M): ``_w4a16_dequant_kernel`` writes a transient
+  ``[K, N]`` buffer in the activation dtype (freed after the call; never kept), then cuBLAS.
 
-Dequantization: a word holds columns 2j and 2j+1 in nibbles j and j+4.  ``(w >> 4j) & 0x000F000F
-| 0x64006400`` (one ``lop3``) is the fp16 pair (1024 + q_2j, 1024 + q_2j+1); subtracting the
-pair (1024 + z) is exact, then one multiply by the scale pair (``sub.f16x2``, ``mul.f16x2``;
-bf16 uses 128 = 0x4300 and the bf16x2 forms).  Without inline PTX the same values come out of
-plain integer/float ops (``USE_ASM=False``, also what the Triton CPU interpreter runs).
-
-Split-K partial sums are combined with atomics into an fp32 workspace (fp16 atomics lost
-precision), then cast.  Nothing here synchronizes with the host, so a call is safe under CUDA
-graph capture once its config has been compiled (warm up before capturing).
+Nothing here synchronizes with the host, so a call is safe under CUDA graph capture once its
+config has been compiled (warm up every M bucket before capturing).
 """
 
 from __future__ import annotations
 
-import os
+import warnings
 
 import torch
 import triton
 import triton.language as tl
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+MMA_MAX_M = 64
 
 
 @triton.jit
-def _pair(wj, zpj, spj, IS_BF16: tl.constexpr, USE_ASM: tl.constexpr):
-    """wj: int32 words already shifted right by 4j; zpj: int32 (zero-word >> 4j);
-    spj: int32 bits of the scale pair (s_2j, s_2j+1).  Returns the two dequantized columns."""
-    if USE_ASM:
-        if IS_BF16:
-            zm = (zpj & 0x000F000F) | 0x43004300
-            lo, hi = tl.inline_asm_elementwise(
-                "{ .reg .b32 t; lop3.b32 t, $2, 0x000f000f, 0x43004300, 0xea; "
-                "sub.rn.bf16x2 t, t, $3; mul.rn.bf16x2 t, t, $4; mov.b32 {$0, $1}, t; }",
-                "=h,=h,r,r,r",
-                [wj, zm, spj],
-                dtype=(tl.bfloat16, tl.bfloat16),
-                is_pure=True,
-                pack=1,
-            )
-        else:
-            zm = (zpj & 0x000F000F) | 0x64006400
-            lo, hi = tl.inline_asm_elementwise(
-                "{ .reg .b32 t; lop3.b32 t, $2, 0x000f000f, 0x64006400, 0xea; "
-                "sub.f16x2 t, t, $3; mul.f16x2 t, t, $4; mov.b32 {$0, $1}, t; }",
-                "=h,=h,r,r,r",
-                [wj, zm, spj],
-                dtype=(tl.float16, tl.float16),
-                is_pure=True,
-                pack=1,
-            )
-    else:
-        if IS_BF16:
-            dt = tl.bfloat16
-        else:
-            dt = tl.float16
-        s_lo = (spj & 0xFFFF).to(tl.int16).to(dt, bitcast=True).to(tl.float32)
-        s_hi = ((spj >> 16) & 0xFFFF).to(tl.int16).to(dt, bitcast=True).to(tl.float32)
-        q_lo = (wj & 0xF) - (zpj & 0xF)
-        q_hi = ((wj >> 16) & 0xF) - ((zpj >> 16) & 0xF)
-        lo = (q_lo.to(tl.float32) * s_lo).to(dt)
-        hi = (q_hi.to(tl.float32) * s_hi).to(dt)
-    return lo, hi
-
-
-@triton.jit
-def _dequant8(w, zw, sc_row_ptr, offs_n8, mask_n8, IS_BF16: tl.constexpr, USE_ASM: tl.constexpr):
-    """w: int32 [BK, BN8]; zw: int32 [BN8] zero words of this group; sc_row_ptr: int32 view of
-    this group's scale row.  Returns the 8 column tensors [BK, BN8] (column 8c + j)."""
-    s0 = tl.load(sc_row_ptr + offs_n8 * 4 + 0, mask=mask_n8, other=0)[None, :]
-    s1 = tl.load(sc_row_ptr + offs_n8 * 4 + 1, mask=mask_n8, other=0)[None, :]
-    s2 = tl.load(sc_row_ptr + offs_n8 * 4 + 2, mask=mask_n8, other=0)[None, :]
-    s3 = tl.load(sc_row_ptr + offs_n8 * 4 + 3, mask=mask_n8, other=0)[None, :]
-    z = zw[None, :]
-    o0, o1 = _pair(w, z, s0, IS_BF16, USE_ASM)
-    o2, o3 = _pair(w >> 4, z >> 4, s1, IS_BF16, USE_ASM)
-    o4, o5 = _pair(w >> 8, z >> 8, s2, IS_BF16, USE_ASM)
-    o6, o7 = _pair(w >> 12, z >> 12, s3, IS_BF16, USE_ASM)
-    return o0, o1, o2, o3, o4, o5, o6, o7
-
-
-@triton.jit
-def _interleave8(o0, o1, o2, o3, o4, o5, o6, o7, R: tl.constexpr, BN: tl.constexpr):
-    """8 tensors [R, BN/8] (column 8c + j in o_j) -> [R, BN] in natural column order."""
-    t = tl.join(
-        tl.join(tl.join(o0, o4), tl.join(o2, o6)),
-        tl.join(tl.join(o1, o5), tl.join(o3, o7)),
-    )
-    return tl.reshape(t, (R, BN))
-
-
-@triton.jit
-def _w4a16_gemv_kernel(
-    x_ptr,
-    qw_ptr,
-    qz_ptr,
-    sc_ptr,  # int32 view of the scales, [n_groups, N // 2]
-    bias_ptr,
-    out_ptr,
-    M,
-    N,
-    N8,  # N // 8, passed so that Triton sees its divisibility and vectorizes loads
-    K,
-    G,
-    k_per_split,
-    stride_xm,
-    stride_om,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    ATOMIC: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    IS_BF16: tl.constexpr,
-    USE_ASM: tl.constexpr,
-):
-    BN8: tl.constexpr = BLOCK_N // 8
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n8 = pid_n * BN8 + tl.arange(0, BN8)
-    mask_n8 = offs_n8 < N8
-    offs_m = tl.arange(0, BLOCK_M)
-    mask_m = offs_m < M
-    k_start = pid_k * k_per_split
-
-    a0 = tl.zeros((BLOCK_M, BN8), dtype=tl.float32)
-    a1 = tl.zeros((BLOCK_M, BN8), dtype=tl.float32)
-    a2 = tl.zeros((BLOCK_M, BN8), dtype=tl.float32)
-    a3 = tl.zeros((BLOCK_M, BN8), dtype=tl.float32)
-    a4 = tl.zeros((BLOCK_M, BN8), dtype=tl.float32)
-    a5 = tl.zeros((BLOCK_M, BN8), dtype=tl.float32)
-    a6 = tl.zeros((BLOCK_M, BN8), dtype=tl.float32)
-    a7 = tl.zeros((BLOCK_M, BN8), dtype=tl.float32)
-    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        w = tl.load(
-            qw_ptr + offs_k[:, None] * N8 + offs_n8[None, :],
-            mask=mask_k[:, None] & mask_n8[None, :],
-            other=0,
-        )
-        g = k0 // G
-        mask_g = mask_n8 & (k0 < K)
-        zw = tl.load(qz_ptr + g * N8 + offs_n8, mask=mask_g, other=0)
-        x = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-            mask=mask_m[:, None] & mask_k[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        x3 = x[:, :, None]
-        o0, o1, o2, o3, o4, o5, o6, o7 = _dequant8(
-            w, zw, sc_ptr + g * (N8 * 4), offs_n8, mask_g, IS_BF16, USE_ASM
-        )
-        a0 += tl.sum(x3 * o0.to(tl.float32)[None, :, :], axis=1)
-        a1 += tl.sum(x3 * o1.to(tl.float32)[None, :, :], axis=1)
-        a2 += tl.sum(x3 * o2.to(tl.float32)[None, :, :], axis=1)
-        a3 += tl.sum(x3 * o3.to(tl.float32)[None, :, :], axis=1)
-        a4 += tl.sum(x3 * o4.to(tl.float32)[None, :, :], axis=1)
-        a5 += tl.sum(x3 * o5.to(tl.float32)[None, :, :], axis=1)
-        a6 += tl.sum(x3 * o6.to(tl.float32)[None, :, :], axis=1)
-        a7 += tl.sum(x3 * o7.to(tl.float32)[None, :, :], axis=1)
-
-    acc = _interleave8(a0, a1, a2, a3, a4, a5, a6, a7, BLOCK_M, BLOCK_N)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    if HAS_BIAS:
-        b = tl.load(bias_ptr + offs_n, mask=mask_n & (pid_k == 0), other=0.0).to(tl.float32)
-        acc += b[None, :]
-    optrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    omask = mask_m[:, None] & mask_n[None, :]
-    if ATOMIC:
-        tl.atomic_add(optrs, acc.to(out_ptr.dtype.element_ty), mask=omask, sem="relaxed")
-    else:
-        tl.store(optrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
-
-
-@triton.jit
-def _w4a16_mm_kernel(
-    x_ptr,
-    qw_ptr,
-    qz_ptr,
-    sc_ptr,
-    bias_ptr,
-    out_ptr,
-    M,
-    N,
-    N8,  # N // 8, passed so that Triton sees its divisibility and vectorizes loads
-    K,
-    G,
-    k_per_split,
-    stride_xm,
-    stride_om,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    ATOMIC: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    IS_BF16: tl.constexpr,
-    USE_ASM: tl.constexpr,
-):
-    BN8: tl.constexpr = BLOCK_N // 8
-    pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_in_group
-    first_m = group_id * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + ((pid % num_in_group) % group_rows)
-    pid_n = (pid % num_in_group) // group_rows
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < M
-    offs_n8 = pid_n * BN8 + tl.arange(0, BN8)
-    mask_n8 = offs_n8 < N8
-    k_start = pid_k * k_per_split
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        a = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-            mask=mask_m[:, None] & mask_k[None, :],
-            other=0.0,
-        )
-        w = tl.load(
-            qw_ptr + offs_k[:, None] * N8 + offs_n8[None, :],
-            mask=mask_k[:, None] & mask_n8[None, :],
-            other=0,
-        )
-        g = k0 // G
-        mask_g = mask_n8 & (k0 < K)
-        zw = tl.load(qz_ptr + g * N8 + offs_n8, mask=mask_g, other=0)
-        o0, o1, o2, o3, o4, o5, o6, o7 = _dequant8(
-            w, zw, sc_ptr + g * (N8 * 4), offs_n8, mask_g, IS_BF16, USE_ASM
-        )
-        b = _interleave8(o0, o1, o2, o3, o4, o5, o6, o7, BLOCK_K, BLOCK_N)
-        acc = tl.dot(a, b, acc)
-
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    if HAS_BIAS:
-        bv = tl.load(bias_ptr + offs_n, mask=mask_n & (pid_k == 0), other=0.0).to(tl.float32)
-        acc += bv[None, :]
-    optrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    omask = mask_m[:, None] & mask_n[None, :]
-    if ATOMIC:
-        tl.atomic_add(optrs, acc.to(out_ptr.dtype.element_ty), mask=omask, sem="relaxed")
-    else:
-        tl.store(optrs, acc.to(out_ptr.dtype.element_ty), mask=omask)
+def _nibble(words, S: tl.constexpr):
+    return (words >> (4 * S)) & 0xF
 
 
 @triton.jit
 def _w4a16_dequant_kernel(
-    qw_ptr,
-    qz_ptr,
-    sc_ptr,
+    qf_ptr,  # int32 [NB, KB, 32, 4] (pack_mma)
+    sz_ptr,  # int32 [n_groups, NB, 8, 8] (pack_mma_scales), x's dtype
     w_ptr,  # out: [K, N] in the activation dtype
-    N,
-    N8,
     K,
+    N,
+    KB,
+    NB,
     G,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_KB: tl.constexpr,  # k16 steps per program
+    ONE_GROUP: tl.constexpr,  # the tile's rows share one quantization group
     IS_BF16: tl.constexpr,
-    USE_ASM: tl.constexpr,
 ):
-    """Dequantize a [BLOCK_K, BLOCK_N] tile (large-M path: dequantize, then cuBLAS)."""
-    BN8: tl.constexpr = BLOCK_N // 8
-    pid_n = tl.program_id(0)
-    k0 = tl.program_id(1) * BLOCK_K
-    offs_n8 = pid_n * BN8 + tl.arange(0, BN8)
-    mask_n8 = offs_n8 < N8
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    mask_k = offs_k < K
-    w = tl.load(
-        qw_ptr + offs_k[:, None] * N8 + offs_n8[None, :],
-        mask=mask_k[:, None] & mask_n8[None, :],
+    """Dequantize a [16 * BLOCK_KB, 64] tile: coalesced word loads, nibbles put back in [K, N]
+    order with join/permute (Triton routes the final store through shared memory)."""
+    nb = tl.program_id(0)
+    kb0 = tl.program_id(1) * BLOCK_KB
+    kb = kb0 + tl.arange(0, BLOCK_KB)
+    lane_j = tl.arange(0, 128)
+    words = tl.load(
+        qf_ptr + nb * (KB * 128) + kb[:, None] * 128 + lane_j[None, :],
+        mask=(kb < KB)[:, None],
         other=0,
     )
-    g = k0 // G
-    zw = tl.load(qz_ptr + g * N8 + offs_n8, mask=mask_n8, other=0)
-    o0, o1, o2, o3, o4, o5, o6, o7 = _dequant8(
-        w, zw, sc_ptr + g * (N8 * 4), offs_n8, mask_n8, IS_BF16, USE_ASM
-    )
-    b = _interleave8(o0, o1, o2, o3, o4, o5, o6, o7, BLOCK_K, BLOCK_N)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(
-        w_ptr + offs_k[:, None] * N + offs_n[None, :],
-        b,
-        mask=mask_k[:, None] & (offs_n < N)[None, :],
-    )
+    words = tl.reshape(words, (BLOCK_KB, 8, 4, 4))  # kb, g, c, j
+    # nibble s = 4h + 2t + e holds k = 16 kb + 8 e + 2 c + h, n = 64 nb + 16 j + 8 t + g
+    v = tl.join(
+        tl.join(
+            tl.join(_nibble(words, 0), _nibble(words, 1)),
+            tl.join(_nibble(words, 2), _nibble(words, 3)),
+        ),
+        tl.join(
+            tl.join(_nibble(words, 4), _nibble(words, 5)),
+            tl.join(_nibble(words, 6), _nibble(words, 7)),
+        ),
+    )  # kb, g, c, j, e, t, h (join adds the new dimension last)
+    v = tl.permute(v, (0, 4, 2, 6, 3, 5, 1))  # kb, e, c, h | j, t, g
+    q = tl.reshape(v, (BLOCK_KB * 16, 64))
+    k = kb0 * 16 + tl.arange(0, BLOCK_KB * 16)
+    n = tl.arange(0, 64)
+    # scale/zero of column n sit at [grp, nb, g, 2j + t]
+    sz_col = (n % 8) * 8 + 2 * (n // 16) + (n % 16) // 8
+    if ONE_GROUP:
+        sz = tl.load(sz_ptr + (kb0 * 16 // G) * (NB * 64) + nb * 64 + sz_col)[None, :]
+    else:
+        sz = tl.load(sz_ptr + ((k // G) * (NB * 64) + nb * 64)[:, None] + sz_col[None, :])
+    if IS_BF16:
+        dt = tl.bfloat16
+        magic = 128.0
+    else:
+        dt = tl.float16
+        magic = 1024.0
+    s = (sz & 0xFFFF).to(tl.int16).to(dt, bitcast=True).to(tl.float32)
+    zm = ((sz >> 16) & 0xFFFF).to(tl.int16).to(dt, bitcast=True).to(tl.float32)
+    w = (q.to(tl.float32) + magic - zm) * s
+    n = nb * 64 + n
+    mask = (k < K)[:, None] & (n < N)[None, :]
+    tl.store(w_ptr + k[:, None] * N + n[None, :], w.to(dt), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------
 # configs and dispatch
 
-# (kind, BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, split_k)
-# split_k = 0 means "choose from the shape" (fill the SMs).
 _CONFIG_CACHE: dict[tuple, tuple] = {}
-_ASM_OK: dict[bool, bool] = {}
-_NUM_SMS: dict[int, int] = {}
-GEMV_MAX_M = 4
+_MMA_OK: dict[tuple, bool] = {}
 
 
 def _m_bucket(M: int) -> int:
     return 1 << max(0, (M - 1).bit_length())
 
 
-def _num_sms(device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
-
-
-def _fit_block_k(bk: int, G: int, K: int) -> int:
-    """Largest power of two <= bk that divides the group size (any bk when one group)."""
-    if G >= K:
-        return bk
-    while bk > 16 and G % bk:
-        bk //= 2
-    return bk if G % bk == 0 else 0
-
-
 def default_config(M: int, N: int, K: int, G: int) -> tuple:
-    # measured with rotated weights on H100 and H200 (benchmarks/results, docs/kernels-w4a16.md):
-    # the GEMV wins only at M = 1 and N < 16384 (gate_up 4096x24576: GEMV 75 us, tensor-core
-    # kernel 49 us on H200); from M = 2 the tensor-core kernel (the M = 4 GEMV was 3.4x slower)
-    if M == 1 and N < 16384:
-        return ("gemv", 1, 256, 128, 4, 1, 0)
-    if M <= 16:
-        return ("mm", 16, 64, 128, 4, 4, 0)
-    if M <= 32:
-        return ("mm", 32, 128, 128, 4, 4, 0)
-    if M <= 64:
-        return ("mm", 64, 128, 64, 4, 4, 0)
-    if M < 256:
-        return ("mm", 128, 128, 64, 8, 3, 0)
-    # measured on H100 (docs/kernels-w4a16.md): from M = 256 the transient dequantize + cuBLAS
-    # path beats the fused tensor-core kernel (fused: ~2x fp16 cuBLAS; this: 1.0-1.3x at M >= 1024)
-    return ("deq", 0, 256, 64, 4, 1, 1)
+    # measured with rotated weights on H200 (docs/kernels-w4a16.md): 2 warps, 8 k16 steps per
+    # chunk and up to 8 CTAs per SM is within ~10% of the best mma config at every M <= 64
+    if M <= MMA_MAX_M:
+        return ("mma", 2, 8, 8)
+    return ("deq", 8, 4)
 
 
 def candidate_configs(M: int) -> list[tuple]:
-    """The small set tried by tune() for one M bucket (split: 0 / -m = m programs per SM)."""
-    if M <= GEMV_MAX_M:
-        bm = _m_bucket(M)
-        return [
-            ("gemv", bm, 256, 128, 4, 1, 0),
-            ("gemv", bm, 128, 128, 4, 1, 0),
-            ("gemv", bm, 512, 64, 8, 1, 0),
-            ("gemv", bm, 256, 128, 4, 2, -4),
-            ("gemv", bm, 128, 128, 4, 3, -8),
-            ("gemv", bm, 128, 64, 4, 1, -8),
-            ("mm", 16, 128, 128, 4, 4, 0),
-            ("mm", 16, 64, 128, 4, 4, 0),
-            ("mm", 16, 128, 128, 4, 4, -4),
-            ("mm", 16, 64, 128, 4, 4, -8),
-        ]
-    if M <= 16:
-        return [
-            ("mm", 16, 128, 128, 4, 4, 0),
-            ("mm", 16, 64, 128, 4, 4, 0),
-            ("mm", 16, 256, 64, 4, 4, 0),
-            ("mm", 16, 128, 64, 4, 3, 0),
-            ("mm", 16, 128, 128, 4, 4, -4),
-            ("mm", 16, 64, 128, 4, 4, -8),
-            ("mm", 16, 128, 64, 4, 4, -8),
-        ]
-    if M <= 64:
-        return [
-            ("mm", 32 if M <= 32 else 64, 128, 128, 4, 4, 0),
-            ("mm", 32 if M <= 32 else 64, 64, 128, 4, 4, 0),
-            ("mm", 64, 128, 64, 4, 4, 0),
-            ("mm", 64, 256, 64, 8, 3, 0),
-            ("mm", 64, 128, 128, 4, 4, -4),
-        ]
-    if M <= 256:
-        return [
-            ("mm", 128, 128, 64, 8, 3, 0),
-            ("mm", 64, 128, 64, 4, 4, 0),
-            ("mm", 128, 256, 64, 8, 3, 0),
-            ("mm", 64, 256, 64, 8, 3, 0),
-            ("deq", 0, 256, 64, 4, 1, 1),
-        ]
-    return [
-        ("mm", 128, 256, 64, 8, 3, 1),
-        ("mm", 128, 128, 64, 8, 3, 1),
-        ("mm", 128, 128, 64, 4, 4, 1),
-        ("mm", 128, 128, 128, 8, 3, 1),
-        ("deq", 0, 256, 64, 4, 1, 1),
-        ("deq", 0, 128, 128, 4, 1, 1),
+    """The small set tried by tune() for one M bucket."""
+    mma = [
+        ("mma", 2, 8, 8),
+        ("mma", 4, 8, 4),
+        ("mma", 4, 8, 8),
+        ("mma", 4, 8, 16),
+        ("mma", 8, 8, 4),
+        ("mma", 2, 8, 16),
     ]
-
-
-def _split_k(cfg: tuple, M: int, N: int, K: int, device) -> tuple[int, int]:
-    """(split, k_per_split) with k_per_split a multiple of BLOCK_K."""
-    kind, bm, bn, bk, _, _, split = cfg
-    tiles = triton.cdiv(N, bn) * (1 if kind == "gemv" else triton.cdiv(M, bm))
-    k_blocks = triton.cdiv(K, bk)
-    if split <= 0:  # 0: aim at 2 programs per SM; -m: aim at m programs per SM
-        target = (-split or 2) * (_num_sms(device) if not _INTERPRET else 1)
-        split = max(1, min(k_blocks, triton.cdiv(target, tiles)))
-    split = max(1, min(split, k_blocks))
-    kps = triton.cdiv(k_blocks, split) * bk
-    split = triton.cdiv(K, kps)
-    return split, kps
-
-
-def _launch(x2, packed, bias, cfg, use_asm):
-    M, K = x2.shape
-    N, G = packed.out_features, packed.group_size
-    kind, bm, bn, bk, warps, stages, _ = cfg
-    bk = _fit_block_k(bk, G, K)
-    if bk < 16:  # irregular act-order groups: unfused fallback (dequantize, then cuBLAS)
-        return _fallback(x2, packed, bias)
-    cfg = (kind, bm, bn, bk, warps, stages, cfg[6])
-    is_bf16 = x2.dtype == torch.bfloat16
-    sc = packed.scales_as(x2.dtype).view(torch.int32)
-    if kind == "deq":  # dequantize into a transient [K, N] buffer, then cuBLAS
-        w = torch.empty(K, N, device=x2.device, dtype=x2.dtype)
-        grid = (triton.cdiv(N, bn), triton.cdiv(K, bk))
-        _w4a16_dequant_kernel[grid](
-            packed.qweight, packed.qzeros, sc, w, N, N // 8, K, G,
-            BLOCK_N=bn, BLOCK_K=bk, IS_BF16=is_bf16, USE_ASM=use_asm,
-            num_warps=warps, num_stages=stages,
-        )  # fmt: skip
-        return torch.mm(x2, w) if bias is None else torch.addmm(bias, x2, w)
-    split, kps = _split_k(cfg, M, N, K, x2.device)
-    atomic = split > 1
-    if atomic:  # split-K partial sums meet in fp32 (fp16 atomics reached 2e-3 relative error)
-        out = torch.zeros(M, N, device=x2.device, dtype=torch.float32)
-    else:
-        out = torch.empty(M, N, device=x2.device, dtype=x2.dtype)
-    has_bias = bias is not None
-    bias_arg = bias if has_bias else out
-    common = dict(
-        BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        ATOMIC=atomic,
-        HAS_BIAS=has_bias,
-        IS_BF16=is_bf16,
-        USE_ASM=use_asm,
-        num_warps=warps,
-        num_stages=stages,
-    )
-    args = (x2, packed.qweight, packed.qzeros, sc, bias_arg, out, M, N, N // 8, K, G, kps)
-    args += (x2.stride(0), out.stride(0))
-    if kind == "gemv":
-        grid = (triton.cdiv(N, bn), split)
-        _w4a16_gemv_kernel[grid](*args, **common)
-    else:
-        grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), split)
-        _w4a16_mm_kernel[grid](*args, GROUP_M=8, **common)
-    if out.dtype != x2.dtype:
-        out = out.to(x2.dtype)
-    return out
+    deq = [("deq", 8, 4), ("deq", 4, 4), ("deq", 16, 8)]
+    if M <= MMA_MAX_M:
+        return mma
+    if M <= 256:
+        return mma[:3] + deq
+    return deq
 
 
 def _fallback(x2, packed, bias):
@@ -478,23 +134,46 @@ def _fallback(x2, packed, bias):
     return out if bias is None else out + bias
 
 
-def _run(x2, packed, bias, cfg):
-    is_bf16 = x2.dtype == torch.bfloat16
-    use_asm = _ASM_OK.get(is_bf16, not _INTERPRET)
-    if use_asm and is_bf16 not in _ASM_OK:
-        try:
-            out = _launch(x2, packed, bias, cfg, True)
-            _ASM_OK[is_bf16] = True
-            return out
-        except Exception as e:  # inline PTX rejected by this toolchain: plain-op dequant
-            import warnings
+def _launch(x2, packed, bias, cfg):
+    M, K = x2.shape
+    N, G = packed.out_features, packed.group_size
+    sz = packed.scales_zeros_as(x2.dtype)
+    if cfg[0] == "mma":
+        from quantfw.kernels.triton.w4a16_mma import w4a16_mma_matmul
 
-            warnings.warn(
-                f"w4a16: inline-PTX dequant unavailable ({e!r:.200}); using plain ops", stacklevel=2
-            )
-            _ASM_OK[is_bf16] = False
-            use_asm = False
-    return _launch(x2, packed, bias, cfg, use_asm)
+        _, warps, chunk, cps = cfg
+        return w4a16_mma_matmul(x2, packed.qweight, sz, N, G, bias, warps, chunk, cps)
+    _, bkb, warps = cfg
+    NB, KB = packed.qweight.shape[:2]
+    w = torch.empty(K, N, device=x2.device, dtype=x2.dtype)
+    _w4a16_dequant_kernel[(NB, triton.cdiv(KB, bkb))](
+        packed.qweight, sz, w, K, N, KB, NB, G,
+        BLOCK_KB=bkb, ONE_GROUP=G >= K or G % (16 * bkb) == 0,
+        IS_BF16=x2.dtype == torch.bfloat16, num_warps=warps,
+    )  # fmt: skip
+    return torch.mm(x2, w) if bias is None else torch.addmm(bias, x2, w)
+
+
+def _run(x2, packed, bias, cfg):
+    G = packed.group_size
+    if packed.in_features > G and G % 16:  # irregular act-order groups: unfused fallback
+        return _fallback(x2, packed, bias)
+    if cfg[0] == "mma":
+        key = (x2.device.index, x2.dtype)
+        if key not in _MMA_OK:
+            try:
+                out = _launch(x2, packed, bias, cfg)
+                _MMA_OK[key] = True
+                return out
+            except Exception as e:  # Gluon / inline PTX unavailable on this toolchain or GPU
+                warnings.warn(
+                    f"w4a16: mma kernel unavailable ({e!r:.300}); using dequantize + matmul",
+                    stacklevel=3,
+                )
+                _MMA_OK[key] = False
+        if not _MMA_OK[key]:
+            cfg = ("deq", 8, 4)
+    return _launch(x2, packed, bias, cfg)
 
 
 def _key(M, packed, dtype):
@@ -502,7 +181,7 @@ def _key(M, packed, dtype):
 
 
 def w4a16_matmul_cuda(x2, packed, bias=None, config: tuple | None = None):
-    """x2: [M, K] contiguous fp16/bf16 on CUDA (columns already permuted for act-order)."""
+    """x2: [M, K] fp16/bf16 on CUDA (columns already permuted for act-order)."""
     if x2.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"w4a16_matmul: activations must be fp16 or bf16, got {x2.dtype}")
     M, K = x2.shape
@@ -512,7 +191,7 @@ def w4a16_matmul_cuda(x2, packed, bias=None, config: tuple | None = None):
             config = default_config(M, packed.out_features, K, packed.group_size)
     if bias is not None:
         bias = bias.contiguous()
-    return _run(x2, packed, bias, config)
+    return _run(x2.contiguous(), packed, bias, config)
 
 
 def tune(x2, packed, bias=None, rep_ms: float = 20.0, bench=None) -> tuple:

@@ -239,7 +239,7 @@ def summarize(rows):
     ok_big = [r for r in big if r["ours_over_fp16"] <= 1.15]
     lines.append(
         f"M >= 1024: {len(ok_big)}/{len(big)} within 1.15x fp16; worst "
-        f"{max(r['ours_over_fp16'] for r in big):.2f}x"
+        f"{max((r['ours_over_fp16'] for r in big), default=float('nan')):.2f}x"
     )
     mid = [r for r in rows if "M" in r]
     bad = [

@@ -9,7 +9,7 @@ and then, per forward,
 
     out = w4a16_matmul(x, packed, bias)
 
-which runs the Triton kernels on CUDA and, on CPU, a reference path (dequantize + matmul)
+which runs the GPU kernels (quantfw/kernels/triton/) on CUDA and, on CPU, a reference path (dequantize + matmul)
 that reads the very same packed layout: the CPU twin of every layout transform.
 
 Packed layout (see docs/kernels-w4a16.md and quantfw/kernels/triton/w4a16_mma.py): the words
@@ -31,8 +31,6 @@ import torch
 PACK = 8
 # nibble position of column j inside its 32-bit word (AutoAWQ order)
 NIBBLE_OF = (0, 4, 1, 5, 2, 6, 3, 7)
-# column held by nibble p (inverse of NIBBLE_OF): AutoAWQ's pack order_map
-COLUMN_OF = (0, 2, 4, 6, 1, 3, 5, 7)
 
 __all__ = [
     "PackedW4",
@@ -145,7 +143,8 @@ def repack_awq(
     """AWQ (GEMM format) checkpoint tensors -> PackedW4.
 
     qweight int32 [K, N/8] and qzeros int32 [K/G, N/8] packed along N in AutoAWQ's nibble order,
-    scales fp16 [K/G, N]; w = (q - z) * s.  The nibbles    are unpacked and rearranged into mma fragments (pack_mma)."""
+    scales fp16 [K/G, N]; w = (q - z) * s.  The nibbles are unpacked and rearranged into mma
+    fragments (pack_mma); the int4 memory stays the same."""
     K, n8 = qweight.shape
     N = n8 * PACK
     G = K if group_size in (-1, 0, None) else int(group_size)

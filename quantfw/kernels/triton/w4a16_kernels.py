@@ -2,7 +2,7 @@
 
 Two paths, chosen per M bucket and shape by a cached config (see tune()):
 
-* ``("mma", warps, chunk, ctas_per_sm)`` (M <= 64 by default): the Gluon kernel of
+* ``("mma", warps, chunk, ctas_per_sm, pipe)`` (M <= 64 by default): the Gluon kernel of
   ``w4a16_mma.py``; weights are dequantized in registers straight into ``mma.sync`` fragments,
   split-K partials meet in a self-cleaning fp32 workspace inside the one launch.
 * ``("deq", BLOCK_KB, warps)`` (larger M): ``_w4a16_dequant_kernel`` writes a transient
@@ -104,19 +104,20 @@ def default_config(M: int, N: int, K: int, G: int) -> tuple:
     # measured with rotated weights on H200 (docs/kernels-w4a16.md): 2 warps, 8 k16 steps per
     # chunk and up to 8 CTAs per SM is within ~10% of the best mma config at every M <= 64
     if M <= MMA_MAX_M:
-        return ("mma", 2, 8, 8)
+        return ("mma", 2, 8, 8, False)
     return ("deq", 8, 4)
 
 
 def candidate_configs(M: int) -> list[tuple]:
     """The small set tried by tune() for one M bucket."""
     mma = [
-        ("mma", 2, 8, 8),
-        ("mma", 4, 8, 4),
-        ("mma", 4, 8, 8),
-        ("mma", 4, 8, 16),
-        ("mma", 8, 8, 4),
-        ("mma", 2, 8, 16),
+        ("mma", 2, 8, 8, False),
+        ("mma", 4, 8, 4, False),
+        ("mma", 4, 8, 16, False),
+        ("mma", 8, 8, 4, False),
+        ("mma", 4, 8, 4, True),
+        ("mma", 2, 4, 8, True),
+        ("mma", 4, 8, 16, True),
     ]
     deq = [("deq", 8, 4), ("deq", 4, 4), ("deq", 16, 8)]
     if M <= MMA_MAX_M:
@@ -141,8 +142,8 @@ def _launch(x2, packed, bias, cfg):
     if cfg[0] == "mma":
         from quantfw.kernels.triton.w4a16_mma import w4a16_mma_matmul
 
-        _, warps, chunk, cps = cfg
-        return w4a16_mma_matmul(x2, packed.qweight, sz, N, G, bias, warps, chunk, cps)
+        _, warps, chunk, cps, pipe = cfg
+        return w4a16_mma_matmul(x2, packed.qweight, sz, N, G, bias, warps, chunk, cps, pipe)
     _, bkb, warps = cfg
     NB, KB = packed.qweight.shape[:2]
     w = torch.empty(K, N, device=x2.device, dtype=x2.dtype)

@@ -138,6 +138,27 @@ def _word(wb, szb, a, c0, c1, J: gl.constexpr, IS_BF16: gl.constexpr):
 
 
 @gluon.jit
+def _load_chunk(
+    qf_ptr, x_ptr, sz_ptr, kb0, w_off, x_off, x_k, x_mask, sz_off, nb_ok, KB, K2, NB,
+    CH: gl.constexpr, GKB: gl.constexpr,
+):  # fmt: skip
+    """Issue every load of one chunk (CH k16 steps): weight and x bundles, scale/zero words."""
+    wbs = ()
+    xs = ()
+    szs = ()
+    for u in gl.static_range(CH):
+        kb = kb0 + u
+        ok = nb_ok & (kb < KB)
+        wbs = wbs + (gl.load(qf_ptr + w_off + kb * 128, mask=ok, other=0),)
+        xs = xs + (gl.load(x_ptr + x_off + kb * 8, mask=x_mask & (x_k + kb * 8 < K2), other=0),)
+        if u % GKB == 0:
+            szp = sz_ptr + (kb // GKB) * (NB * 64) + sz_off
+            szs = szs + (gl.load(szp, mask=ok, other=0),)
+            szs = szs + (gl.load(szp + 4, mask=ok, other=0),)
+    return wbs, xs, szs
+
+
+@gluon.jit
 def _store_tile(
     acc,
     out_ptr,
@@ -187,6 +208,7 @@ def w4a16_mma_kernel(
     CH: gl.constexpr,  # k16 steps per chunk
     GKB: gl.constexpr,  # k16 steps per quantization group
     SPLIT: gl.constexpr,  # CTAs per output tile along K
+    PIPE: gl.constexpr,  # prefetch the next chunk while computing this one
     HAS_BIAS: gl.constexpr,
     IS_BF16: gl.constexpr,
 ):
@@ -220,21 +242,37 @@ def w4a16_mma_kernel(
     c21 = gl.zeros([W, 32, 4], gl.float32, L3)
     c30 = gl.zeros([W, 32, 4], gl.float32, L3)
     c31 = gl.zeros([W, 32, 4], gl.float32, L3)
+    # PIPE: the next chunk's loads are in flight while this one is computed (more registers)
+    wbs, xs, szs = _load_chunk(
+        qf_ptr,
+        x_ptr,
+        sz_ptr,
+        sp * CH,
+        w_off,
+        x_off,
+        x_k,
+        x_mask,
+        sz_off,
+        nb_ok,
+        KB,
+        K2,
+        NB,
+        CH,
+        GKB,
+    )
     for i in range(n_iter):
-        kb0 = (i * SPLIT + sp) * CH
-        # issue every load of the chunk before the first use (bytes in flight)
-        wbs = ()
-        xs = ()
-        szs = ()
-        for u in gl.static_range(CH):
-            kb = kb0 + u
-            ok = nb_ok & (kb < KB)
-            wbs = wbs + (gl.load(qf_ptr + w_off + kb * 128, mask=ok, other=0),)
-            xs = xs + (gl.load(x_ptr + x_off + kb * 8, mask=x_mask & (x_k + kb * 8 < K2), other=0),)
-            if u % GKB == 0:
-                szp = sz_ptr + (kb // GKB) * (NB * 64) + sz_off
-                szs = szs + (gl.load(szp, mask=ok, other=0),)
-                szs = szs + (gl.load(szp + 4, mask=ok, other=0),)
+        if PIPE:
+            kb_next = ((i + 1) * SPLIT + sp) * CH
+        else:
+            kb_next = (i * SPLIT + sp) * CH
+        nwbs, nxs, nszs = _load_chunk(
+            qf_ptr, x_ptr, sz_ptr, kb_next, w_off, x_off, x_k, x_mask, sz_off, nb_ok, KB, K2,
+            NB, CH, GKB,
+        )  # fmt: skip
+        if not PIPE:
+            wbs = nwbs
+            xs = nxs
+            szs = nszs
         for u in gl.static_range(CH):
             wb = wbs[u]
             a = xs[u]
@@ -244,6 +282,9 @@ def w4a16_mma_kernel(
             c10, c11 = _word(wb, szl, a, c10, c11, 1, IS_BF16)
             c20, c21 = _word(wb, szh, a, c20, c21, 2, IS_BF16)
             c30, c31 = _word(wb, szh, a, c30, c31, 3, IS_BF16)
+        wbs = nwbs
+        xs = nxs
+        szs = nszs
 
     # C fragment: c0 (g, 2c), c1 (g, 2c+1), c2 (g+8, 2c), c3 (g+8, 2c+1) of each 16x8 tile;
     # tile t of word j covers columns 64 nb + 16 j + 8 t + (0..7)
@@ -330,6 +371,7 @@ def w4a16_mma_matmul(
     warps: int = 4,
     chunk: int = 8,
     ctas_per_sm: int = 4,
+    pipe: bool = False,
 ) -> torch.Tensor:
     """out[M, N] = x2[M, K] @ W (+ bias); x2 fp16/bf16 on CUDA, K even.
 
@@ -356,7 +398,7 @@ def w4a16_mma_matmul(
     w4a16_mma_kernel[grid](
         x2.view(torch.int32), qf, sz, bias if has_bias else out, out, ws, cnt,
         M, N, K // 2, NB, KB, n_iter, x2.stride(0) // 2, out.stride(0),
-        W=warps, CH=chunk, GKB=gkb, SPLIT=split, HAS_BIAS=has_bias,
+        W=warps, CH=chunk, GKB=gkb, SPLIT=split, PIPE=pipe, HAS_BIAS=has_bias,
         IS_BF16=x2.dtype == torch.bfloat16, num_warps=warps,
     )  # fmt: skip
     return out

@@ -1,6 +1,6 @@
 """Gluon kernel for W4A16 at small M: dequantize in registers straight into mma fragments.
 
-Layout (built once by ``quantfw.kernels.w4a16.to_mma_layout``; docs/kernels-w4a16.md):
+Layout (built once by ``pack_mma`` / ``pack_mma_scales`` in quantfw/kernels/w4a16.py; docs/kernels-w4a16.md):
 
 * ``qf`` int32 ``[N/64, K/16, 32, 4]``: the 32-bit word ``j`` of lane ``l = 4*g + c`` in block
   ``(nb, kb)`` holds, for ``n0 = 64*nb + 16*j + g`` and ``n1 = n0 + 8``, the 8 values an
@@ -334,7 +334,8 @@ def _workspace(device, n_ws: int, n_cnt: int):
     """Zeroed fp32 partial sums and int32 arrival counters, shared by all calls on a device.
 
     Every split-K launch leaves them zeroed again (the last CTA of a tile resets its part), so
-    they are allocated once; calls on one device must be stream-ordered (as a model's are)."""
+    they are allocated once; calls on one device must be stream-ordered (as a model's are), and
+    every shape should be run once before CUDA-graph capture so that no buffer grows inside it."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
     ws, cnt = _WORKSPACE.get(idx, (None, None))
     if ws is None or ws.numel() < n_ws or cnt.numel() < n_cnt:

@@ -36,3 +36,32 @@ def test_cuda_graphs_refused_on_cpu(tiny_llama):
         pytest.skip("CPU-only check")
     with pytest.raises(ValueError, match="cuda_graphs"):
         LLM(tiny_llama, max_num_seqs=2, cuda_graphs=True)
+
+
+@pytest.mark.gpu
+def test_awq_fp16_cuda_graphs_match_eager(tiny_llama, tmp_path):
+    """The W4A16 kernels (split-K workspace, per-bucket configs) inside captured decode steps."""
+    from quantfw import exporter
+
+    awq = exporter.quantize_checkpoint(
+        tiny_llama, str(tmp_path / "awq"), method="awq", group_size=32
+    )
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for graphs in (False, True):
+        llm = LLM(
+            awq,
+            dtype="float16",
+            max_num_seqs=4,
+            max_model_len=128,
+            cuda_graphs=graphs,
+            attention_backend="sdpa",
+        )
+        uses_w4a16 = [
+            m for m in llm.engine.runner.model.modules() if getattr(m, "w4a16_weight", None)
+        ]
+        assert uses_w4a16, "no layer runs the W4A16 kernels"
+        outs[graphs] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)]
+        del llm
+        torch.cuda.empty_cache()
+    assert outs[True] == outs[False]

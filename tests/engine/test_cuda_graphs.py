@@ -10,24 +10,32 @@ from quantfw.engine import LLM, SamplingParams
 PROMPTS = [[1, 5, 6, 7], [1, 9, 10, 11, 12, 13, 14, 15], [1, 30], [1, 40, 41, 42, 43, 44, 45]]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["sdpa", "auto"])
-def test_cuda_graph_decode_matches_eager(tiny_llama, backend):
+def _greedy_with_and_without_graphs(model, dtype, backend, check_llm=None):
+    """Greedy tokens of PROMPTS with CUDA-graph decode off and on: {False: ..., True: ...}."""
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs = {}
     for graphs in (False, True):
         llm = LLM(
-            tiny_llama,
-            dtype="float32",
+            model,
+            dtype=dtype,
             max_num_seqs=4,
             max_model_len=128,
             cuda_graphs=graphs,
             attention_backend=backend,
         )
         assert (llm.engine.runner.graphs is not None) == graphs
+        if check_llm is not None:
+            check_llm(llm)
         outs[graphs] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)]
         del llm
         torch.cuda.empty_cache()
+    return outs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["sdpa", "auto"])
+def test_cuda_graph_decode_matches_eager(tiny_llama, backend):
+    outs = _greedy_with_and_without_graphs(tiny_llama, "float32", backend)
     assert outs[True] == outs[False]
 
 
@@ -46,22 +54,10 @@ def test_awq_fp16_cuda_graphs_match_eager(tiny_llama, tmp_path):
     awq = exporter.quantize_checkpoint(
         tiny_llama, str(tmp_path / "awq"), method="awq", group_size=32
     )
-    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    outs = {}
-    for graphs in (False, True):
-        llm = LLM(
-            awq,
-            dtype="float16",
-            max_num_seqs=4,
-            max_model_len=128,
-            cuda_graphs=graphs,
-            attention_backend="sdpa",
-        )
-        uses_w4a16 = [
-            m for m in llm.engine.runner.model.modules() if getattr(m, "w4a16_weight", None)
-        ]
-        assert uses_w4a16, "no layer runs the W4A16 kernels"
-        outs[graphs] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)]
-        del llm
-        torch.cuda.empty_cache()
+
+    def uses_w4a16(llm):
+        layers = [m for m in llm.engine.runner.model.modules() if getattr(m, "w4a16_weight", None)]
+        assert layers, "no layer runs the W4A16 kernels"
+
+    outs = _greedy_with_and_without_graphs(awq, "float16", "sdpa", uses_w4a16)
     assert outs[True] == outs[False]

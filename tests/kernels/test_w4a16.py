@@ -184,17 +184,21 @@ def test_gptq_sym_without_qzeros():
     _check_cpu(packed, ref, seed=7)
 
 
-def test_gptq_irregular_groups():
-    """g_idx with uneven, shuffled groups: rows are sorted and split into gcd-sized chunks."""
-    K, N, ng = 128, 16, 5
-    gen = torch.Generator().manual_seed(3)
+def make_irregular_gptq(K, N, ng, seed):
+    """GPTQ v2 with a random g_idx (uneven, shuffled groups) -> (PackedW4, reference weight)."""
+    gen = torch.Generator().manual_seed(seed)
     g_idx = torch.randint(0, ng, (K,), generator=gen)
     q = torch.randint(0, 16, (K, N), generator=gen)
     z = torch.randint(0, 16, (ng, N), generator=gen)
     s = rand_scales(ng, N, gen)
     qw, qz = gptq_pack_rows(q), gptq_pack_cols(z)
     ref = gptq_dequant_ref(qw, qz, s, g_idx, v1=False)
-    packed = W.repack_gptq(qw, qz, s, g_idx, 32, False, "gptq_v2")
+    return W.repack_gptq(qw, qz, s, g_idx, 32, False, "gptq_v2"), ref
+
+
+def test_gptq_irregular_groups():
+    """g_idx with uneven, shuffled groups: rows are sorted and split into gcd-sized chunks."""
+    packed, ref = make_irregular_gptq(128, 16, 5, seed=3)
     _check_cpu(packed, ref, seed=3)
 
 
@@ -347,16 +351,8 @@ def test_gpu_split_k_leaves_workspace_clean(dtype):
 
 @gpu
 def test_gpu_irregular_groups_fall_back():
-    K, N, ng = 256, 64, 7
-    gen = torch.Generator().manual_seed(9)
-    g_idx = torch.randint(0, ng, (K,), generator=gen)
-    q = torch.randint(0, 16, (K, N), generator=gen)
-    z = torch.randint(0, 16, (ng, N), generator=gen)
-    s = rand_scales(ng, N, gen)
-    qw, qz = gptq_pack_rows(q), gptq_pack_cols(z)
-    ref = gptq_dequant_ref(qw, qz, s, g_idx, v1=False).float().cuda()
-    packed = W.repack_gptq(qw, qz, s, g_idx, 32, False, "gptq_v2").to("cuda")
-    _gpu_check(packed, ref, 5, torch.float16, seed=1)
+    packed, ref = make_irregular_gptq(256, 64, 7, seed=9)
+    _gpu_check(packed.to("cuda"), ref.float().cuda(), 5, torch.float16, seed=1)
 
 
 @gpu

@@ -24,17 +24,20 @@ expects.  A wrong assumption here gives wrong numbers, which the GPU tests check
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import triton
 from triton.experimental import gluon
+from triton.experimental.gluon import constexpr_function
 from triton.experimental.gluon import language as gl
 
 FP16_MAGIC = 0x64006400  # fp16 1024.0 in both halves: (magic | q) = 1024 + q
 BF16_MAGIC = 0x43004300  # bf16 128.0
 
 
+@constexpr_function
 def _deq_asm(j: int, is_bf16: bool) -> str:
     """PTX for word ``j`` of the weight bundle ($4..$7) with its scale/zero bundle ($8..$11).
 
@@ -95,14 +98,6 @@ _DEQ_CONSTRAINTS = "=r,=r,=r,=r," + ",".join(["r"] * 8)
 _MMA_CONSTRAINTS = ",".join(["=f"] * 8) + "," + ",".join(["r"] * 8) + "," + ",".join(["f"] * 8)
 DEQ_CONSTRAINTS = gl.constexpr(_DEQ_CONSTRAINTS)
 MMA_CONSTRAINTS = gl.constexpr(_MMA_CONSTRAINTS)
-DEQ_FP16_0 = gl.constexpr(_deq_asm(0, False))
-DEQ_FP16_1 = gl.constexpr(_deq_asm(1, False))
-DEQ_FP16_2 = gl.constexpr(_deq_asm(2, False))
-DEQ_FP16_3 = gl.constexpr(_deq_asm(3, False))
-DEQ_BF16_0 = gl.constexpr(_deq_asm(0, True))
-DEQ_BF16_1 = gl.constexpr(_deq_asm(1, True))
-DEQ_BF16_2 = gl.constexpr(_deq_asm(2, True))
-DEQ_BF16_3 = gl.constexpr(_deq_asm(3, True))
 MMA_FP16 = gl.constexpr(_mma_asm(False))
 MMA_BF16 = gl.constexpr(_mma_asm(True))
 
@@ -110,24 +105,7 @@ MMA_BF16 = gl.constexpr(_mma_asm(True))
 @gluon.jit
 def _word(wb, szb, a, c0, c1, J: gl.constexpr, IS_BF16: gl.constexpr):
     """Dequantize word J of the bundle and accumulate its two 16x8 tiles into (c0, c1)."""
-    if IS_BF16:
-        if J == 0:
-            deq: gl.constexpr = DEQ_BF16_0
-        elif J == 1:
-            deq: gl.constexpr = DEQ_BF16_1
-        elif J == 2:
-            deq: gl.constexpr = DEQ_BF16_2
-        else:
-            deq: gl.constexpr = DEQ_BF16_3
-    else:
-        if J == 0:
-            deq: gl.constexpr = DEQ_FP16_0
-        elif J == 1:
-            deq: gl.constexpr = DEQ_FP16_1
-        elif J == 2:
-            deq: gl.constexpr = DEQ_FP16_2
-        else:
-            deq: gl.constexpr = DEQ_FP16_3
+    deq: gl.constexpr = _deq_asm(J, IS_BF16)
     b = gl.inline_asm_elementwise(
         deq, DEQ_CONSTRAINTS, [wb, szb], dtype=gl.int32, is_pure=True, pack=4
     )
@@ -351,9 +329,14 @@ def plan(M: int, N: int, K: int, device, warps: int = 4, chunk: int = 8, ctas_pe
     """(split, n_iter): CTAs per output tile along K, and chunks (of ``chunk`` k16 steps) per warp.
 
     The fewest chunks per warp that keeps the grid within ``ctas_per_sm`` CTAs per SM."""
+    return _plan(M, N, K, _num_sms(device), warps, chunk, ctas_per_sm)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(M: int, N: int, K: int, sms: int, warps: int, chunk: int, ctas_per_sm: int):
     chunks = triton.cdiv(K // 16, chunk)
     tiles = triton.cdiv(N // 64, warps) * triton.cdiv(M, 16)
-    target = ctas_per_sm * _num_sms(device)
+    target = ctas_per_sm * sms
     n_iter = 1
     while n_iter < chunks and tiles * triton.cdiv(chunks, n_iter) > target:
         n_iter *= 2

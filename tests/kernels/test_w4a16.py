@@ -323,6 +323,17 @@ def test_gpu_matches_reference(fmt, G, dtype):
 
 
 @gpu
+@pytest.mark.parametrize("fmt,K,G", [("awq", 672, 48), ("gptq_sym", 600, -1)])
+def test_gpu_odd_chunk_and_unpadded_k(fmt, K, G):
+    """G = 48: one k16 step per chunk (x bundles of one step); K = 600: K padded to 608, the
+    masked x loads must stop at the true K."""
+    packed, ref_w = _gpu_case(fmt, K, 200, G, seed=21)
+    for dtype in (torch.float16, torch.bfloat16):
+        for M in (1, 5, 12):
+            _gpu_check(packed, ref_w, M, dtype, seed=M)
+
+
+@gpu
 @pytest.mark.parametrize("M", [1, 2, 4, 16, 64, 300])
 def test_gpu_every_candidate_config(M):
     from quantfw.kernels.triton.w4a16_kernels import candidate_configs
@@ -341,10 +352,11 @@ def test_gpu_split_k_leaves_workspace_clean(dtype):
     packed, ref_w = _gpu_case("awq", 4096, 512, 128, seed=8)
     for M in (1, 16, 40):
         for cps in (4, 16):
-            split, _ = MK.plan(M, 512, 4096, torch.device("cuda"), 2, 8, cps)
+            split, _ = MK.plan(M, 512, 4096, torch.device("cuda"), 2, 8, cps, 8 if M <= 8 else 16)
             assert split > 1
-            for rep in range(2):
-                _gpu_check(packed, ref_w, M, dtype, seed=rep, config=("mma", 2, 8, cps, rep == 1))
+            for seed, (pipe, fold) in enumerate([(False, True), (True, True), (False, False)]):
+                cfg = ("mma", 2, 8, cps, pipe, fold)
+                _gpu_check(packed, ref_w, M, dtype, seed=seed, config=cfg)
             ws, cnt = MK._WORKSPACE[torch.cuda.current_device()]
             assert not ws.any() and not cnt.any()
 

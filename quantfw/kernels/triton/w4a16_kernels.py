@@ -2,9 +2,11 @@
 
 Two paths, chosen per M bucket and shape by a cached config (see tune()):
 
-* ``("mma", warps, chunk, ctas_per_sm, pipe)`` (M <= 64 by default): the Gluon kernel of
-  ``w4a16_mma.py``; weights are dequantized in registers straight into ``mma.sync`` fragments,
-  split-K partials meet in a self-cleaning fp32 workspace inside the one launch.
+* ``("mma", warps, chunk, ctas_per_sm, pipe, fold)`` (M <= 64 by default): the Gluon kernel
+  of ``w4a16_mma.py``; weights are dequantized in registers straight into ``mma.sync``
+  fragments (``fold``: zero and scale applied once per group on the fp32 sums; ``pipe``: the
+  next chunk prefetched in registers), split-K partials meet in a self-cleaning fp32
+  workspace inside the one launch.
 * ``("deq", BLOCK_KB, warps)`` (larger M): ``_w4a16_dequant_kernel`` writes a transient
   ``[K, N]`` buffer in the activation dtype (freed after the call; never kept), then cuBLAS.
 
@@ -101,23 +103,24 @@ def _m_bucket(M: int) -> int:
 
 
 def default_config(M: int, N: int, K: int, G: int) -> tuple:
-    # measured with rotated weights on H200 (docs/kernels-w4a16.md): 2 warps, 8 k16 steps per
-    # chunk and up to 8 CTAs per SM is within ~10% of the best mma config at every M <= 64
+    # the configs the rotated-weights tuner picked most often on H200 (docs/kernels-w4a16.md):
+    # at M <= 8 on 6 of 8 shapes (M = 4), at 8 < M <= 16 on 5 of 8
     if M <= MMA_MAX_M:
-        return ("mma", 2, 8, 8, False)
+        return ("mma", 4, 8, 4, True, True) if M <= 8 else ("mma", 2, 8, 8, False, True)
     return ("deq", 8, 4)
 
 
 def candidate_configs(M: int) -> list[tuple]:
     """The small set tried by tune() for one M bucket."""
     mma = [
-        ("mma", 2, 8, 8, False),
-        ("mma", 4, 8, 4, False),
-        ("mma", 4, 8, 16, False),
-        ("mma", 8, 8, 4, False),
-        ("mma", 4, 8, 4, True),
-        ("mma", 2, 4, 8, True),
-        ("mma", 4, 8, 16, True),
+        ("mma", 2, 8, 8, False, True),
+        ("mma", 4, 8, 4, False, True),
+        ("mma", 4, 8, 8, False, True),
+        ("mma", 8, 8, 4, False, True),
+        ("mma", 4, 4, 8, False, True),
+        ("mma", 4, 8, 4, True, True),
+        ("mma", 2, 8, 8, False, False),
+        ("mma", 4, 8, 4, False, False),
     ]
     deq = [("deq", 8, 4), ("deq", 4, 4), ("deq", 16, 8)]
     if M <= MMA_MAX_M:
@@ -142,8 +145,8 @@ def _launch(x2, packed, bias, cfg):
     if cfg[0] == "mma":
         from quantfw.kernels.triton.w4a16_mma import w4a16_mma_matmul
 
-        _, warps, chunk, cps, pipe = cfg
-        return w4a16_mma_matmul(x2, packed.qweight, sz, N, G, bias, warps, chunk, cps, pipe)
+        _, warps, chunk, cps, pipe, fold = cfg
+        return w4a16_mma_matmul(x2, packed.qweight, sz, N, G, bias, warps, chunk, cps, pipe, fold)
     _, bkb, warps = cfg
     NB, KB = packed.qweight.shape[:2]
     w = torch.empty(K, N, device=x2.device, dtype=x2.dtype)

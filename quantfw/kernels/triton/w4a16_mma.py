@@ -4,18 +4,31 @@ Layout (built once by ``pack_mma`` / ``pack_mma_scales`` in quantfw/kernels/w4a1
 
 * ``qf`` int32 ``[N/64, K/16, 32, 4]``: the 32-bit word ``j`` of lane ``l = 4*g + c`` in block
   ``(nb, kb)`` holds, for ``n0 = 64*nb + 16*j + g`` and ``n1 = n0 + 8``, the 8 values an
-  ``mma.m16n8k16`` B fragment needs from that lane for the two 8-column tiles ``n0``, ``n1``:
+  ``mma.m16n8k16`` fragment needs from that lane for the columns ``n0``, ``n1``:
   nibble ``s`` (bits ``4s``) = ``q[16*kb + 8*e + 2*c + h, n0 + 8*t]`` with ``s = 4h + 2t + e``.
   So ``lop3(w >> 4p, 0x000F000F, magic)`` (p = 0..3) is register ``e = p % 2`` of tile ``t = p // 2``.
 * ``sz`` int32 ``[n_groups, N/64, 8, 8]``: ``[grp, nb, g, 2*j + t]`` = scale (low half) and
   ``magic + zero`` (high half) of column ``n0 + 8t`` in the activation dtype.
 
-Each lane loads its 4 words of a k16 step with one 128-bit load and its x fragment with four
-32-bit loads; per word: 3 shifts, 4 ``lop3``, 4 ``sub`` + 4 ``mul`` (x2 vectors) and two
-``mma.sync`` (``m16n8k16``, fp32 accumulate).  Each warp owns one 64-column block and one
-16-row tile; CTAs of a split-K grid add into an fp32 workspace and the last one to arrive (a
-counter per CTA tile) writes the result and zeroes the workspace and its counter, so one
-launch does the whole matmul and the buffers are clean for the next call (or graph replay).
+The mma runs transposed ("swap AB"): the dequantized weights are the A operand (16 output
+columns x k16; a word's 4 registers p = 0..3 are A registers (a0, a2, a1, a3)) and x is the B
+operand (k16 x 8 tokens), so a token tile is TM = 8 (one mma per word, M <= 8) or 16 (two).
+Each lane loads its 4 words of a k16 step with one 128-bit load and its x fragment with 32-bit
+loads (rows past M re-read row M - 1; those outputs are never stored).  Per word: 3 shifts and
+4 ``lop3`` give ``magic + q`` pairs, then either
+
+* ``fold`` (the default): one mma of ``magic + q`` against x into a per-group fp32 sum; at the
+  end of each group (or chunk) ``acc += s * (gsum - (magic + z) * xsum)``, where ``xsum`` (the
+  per-token sum of x over the same k) comes from one extra mma with an all-ones A.  Exact
+  integer weights in the mma, scale and zero once per group: 8 instructions per word and k16
+  step instead of 16 (SASS, sm_90, TM = 8: 50 against 77 per warp and k16 step, loads
+  included); or
+* per element: ``sub`` of ``magic + z`` and ``mul`` by ``s`` on x2 vectors, then the mma.
+
+Each warp owns one 64-column block and one token tile; CTAs of a split-K grid add into an fp32
+workspace and the last one to arrive (a counter per CTA tile) writes the result and zeroes the
+workspace and its counter, so one launch does the whole matmul and the buffers are clean for
+the next call (or graph replay).
 
 The Gluon layouts are explicit: ``L3`` gives every thread 4 consecutive elements ("a bundle")
 of a ``[W, 32, 4]`` tensor (warp, lane, register), so the inline PTX sees the registers it
@@ -41,7 +54,7 @@ BF16_MAGIC = 0x43004300  # bf16 128.0
 def _deq_asm(j: int, is_bf16: bool) -> str:
     """PTX for word ``j`` of the weight bundle ($4..$7) with its scale/zero bundle ($8..$11).
 
-    Outputs $0..$3: the B-fragment registers (tile 0: k 0-7, k 8-15; tile 1: same)."""
+    Outputs $0..$3: register p = (k 2c + 8 (p % 2), column g + 8 (p // 2)), dequantized."""
     magic = BF16_MAGIC if is_bf16 else FP16_MAGIC
     sz0 = 8 + 2 * (j % 2)
     if is_bf16:  # bf16x2 sub/mul need sm_90; fma.rn.bf16x2 (sm_80) with z negated, -0.0 addend
@@ -82,87 +95,289 @@ def _deq_asm(j: int, is_bf16: bool) -> str:
     )
 
 
-def _mma_asm(is_bf16: bool) -> str:
-    """Two m16n8k16 mmas sharing the A fragment ($8..$11) with the B registers $12..$15.
+@constexpr_function
+def _deq_raw_asm(j: int, is_bf16: bool) -> str:
+    """PTX for word ``j`` of the weight bundle ($4..$7): outputs $0..$3 = ``magic + q`` pairs
+    (fp16 1024 + q / bf16 128 + q, exact); zero and scale are applied later per group."""
+    magic = BF16_MAGIC if is_bf16 else FP16_MAGIC
+    return (
+        f"{{ .reg .b32 q; mov.b32 q, ${4 + j};\n"
+        f"lop3.b32 $0, q, 0x000f000f, {magic:#x}, 0xea; shr.u32 q, q, 4;\n"
+        f"lop3.b32 $1, q, 0x000f000f, {magic:#x}, 0xea; shr.u32 q, q, 4;\n"
+        f"lop3.b32 $2, q, 0x000f000f, {magic:#x}, 0xea; shr.u32 q, q, 4;\n"
+        f"lop3.b32 $3, q, 0x000f000f, {magic:#x}, 0xea; }}"
+    )
 
-    Outputs $0..$3 (tile 0) and $4..$7 (tile 1); accumulators in $16..$19 and $20..$23."""
+
+@constexpr_function
+def _xsum_asm(tm: int, step: int, is_bf16: bool) -> str:
+    """Per-token sums of x over a k16 step, by an mma with an all-ones A: every output row holds
+    the sum of token 2c (c0, c2) and 2c + 1 (c1, c3).  Operands as in ``_mma_asm`` with A = 1."""
+    t = "bf16" if is_bf16 else "f16"
+    one = 0x3F803F80 if is_bf16 else 0x3C003C00
+    op = f"mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32"
+    head = f"{{ .reg .b32 one; mov.b32 one, {one:#x};\n"
+    if tm == 8:
+        b = 4 + 2 * step
+        return (
+            head
+            + f"{op} {{$0, $1, $2, $3}}, {{one, one, one, one}}, {{${b}, ${b + 1}}}, {{$8, $9, $10, $11}}; }}"
+        )
+    return head + (
+        f"{op} {{$0, $1, $2, $3}}, {{one, one, one, one}}, {{$8, $9}}, {{$12, $13, $14, $15}};\n"
+        f"{op} {{$4, $5, $6, $7}}, {{one, one, one, one}}, {{$10, $11}}, {{$16, $17, $18, $19}}; }}"
+    )
+
+
+@constexpr_function
+def _fold_asm(j: int, is_bf16: bool) -> str:
+    """acc += s * (gacc - (magic + z) * xsum) for word ``j``'s columns g (c0, c1), g + 8 (c2, c3).
+
+    $0..$3 out, $4..$7 acc, $8..$11 group partial sums of (magic + q) x, $12..$15 x sums,
+    $16..$19 the scale/zero bundle (word 2 (j % 2) + t: scale low half, magic + z high half)."""
+    sz0 = 16 + 2 * (j % 2)
+    if is_bf16:  # bf16 -> fp32 is a 16-bit shift
+        unpack = (
+            f"shl.b32 s0, ${sz0}, 16; and.b32 z0, ${sz0}, 0xffff0000;\n"
+            f"shl.b32 s1, ${sz0 + 1}, 16; and.b32 z1, ${sz0 + 1}, 0xffff0000;\n"
+        )
+    else:
+        unpack = (
+            f"mov.b32 {{lo, hi}}, ${sz0}; cvt.f32.f16 s0, lo; cvt.f32.f16 z0, hi;\n"
+            f"mov.b32 {{lo, hi}}, ${sz0 + 1}; cvt.f32.f16 s1, lo; cvt.f32.f16 z1, hi;\n"
+        )
+    return (
+        "{ .reg .b32 s0, z0, s1, z1, t; .reg .b16 lo, hi;\n"
+        + unpack
+        + "xor.b32 z0, z0, 0x80000000; xor.b32 z1, z1, 0x80000000;\n"
+        "fma.rn.f32 t, z0, $12, $8; fma.rn.f32 $0, s0, t, $4;\n"
+        "fma.rn.f32 t, z0, $13, $9; fma.rn.f32 $1, s0, t, $5;\n"
+        "fma.rn.f32 t, z1, $14, $10; fma.rn.f32 $2, s1, t, $6;\n"
+        "fma.rn.f32 t, z1, $15, $11; fma.rn.f32 $3, s1, t, $7; }"
+    )
+
+
+@constexpr_function
+def _mma_asm(tm: int, step: int, is_bf16: bool) -> str:
+    """mma.sync m16n8k16 with the dequantized weights as A (16 output columns x k16) and x as B.
+
+    A = deq registers (p0, p2, p1, p3): register p holds (k 2c + 8 (p % 2), column g + 8 (p // 2)).
+    TM = 8: out $0..$3, x bundle $4..$7 (k16 step ``step`` in $4+2step, $5+2step), A $8..$11,
+    acc $12..$15.  TM = 16: out $0..$7, x $8..$11 (tokens 0-7 in $8,$9, 8-15 in $10,$11), A
+    $12..$15, acc $16..$23."""
     t = "bf16" if is_bf16 else "f16"
     op = f"mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32"
+    if tm == 8:
+        b = 4 + 2 * step
+        return f"{op} {{$0, $1, $2, $3}}, {{$8, $10, $9, $11}}, {{${b}, ${b + 1}}}, {{$12, $13, $14, $15}};"
     return (
-        f"{op} {{$0, $1, $2, $3}}, {{$8, $9, $10, $11}}, {{$12, $13}}, {{$16, $17, $18, $19}};\n"
-        f"{op} {{$4, $5, $6, $7}}, {{$8, $9, $10, $11}}, {{$14, $15}}, {{$20, $21, $22, $23}};"
+        f"{op} {{$0, $1, $2, $3}}, {{$12, $14, $13, $15}}, {{$8, $9}}, {{$16, $17, $18, $19}};\n"
+        f"{op} {{$4, $5, $6, $7}}, {{$12, $14, $13, $15}}, {{$10, $11}}, {{$20, $21, $22, $23}};"
     )
+
+
+@constexpr_function
+def _mma_constraints(tm: int, ones: bool) -> str:
+    n_out = tm // 2  # fp32 accumulator registers per lane and word
+    return ",".join(["=f"] * n_out + ["r"] * (4 if ones else 8) + ["f"] * n_out)
 
 
 _DEQ_CONSTRAINTS = "=r,=r,=r,=r," + ",".join(["r"] * 8)
-_MMA_CONSTRAINTS = ",".join(["=f"] * 8) + "," + ",".join(["r"] * 8) + "," + ",".join(["f"] * 8)
 DEQ_CONSTRAINTS = gl.constexpr(_DEQ_CONSTRAINTS)
-MMA_CONSTRAINTS = gl.constexpr(_MMA_CONSTRAINTS)
-MMA_FP16 = gl.constexpr(_mma_asm(False))
-MMA_BF16 = gl.constexpr(_mma_asm(True))
+
+
+_RAW_CONSTRAINTS = "=r,=r,=r,=r,r,r,r,r"
+_FOLD_CONSTRAINTS = ",".join(["=f"] * 4 + ["f"] * 12 + ["r"] * 4)
+RAW_CONSTRAINTS = gl.constexpr(_RAW_CONSTRAINTS)
+FOLD_CONSTRAINTS = gl.constexpr(_FOLD_CONSTRAINTS)
 
 
 @gluon.jit
-def _word(wb, szb, a, c0, c1, J: gl.constexpr, IS_BF16: gl.constexpr):
-    """Dequantize word J of the bundle and accumulate its two 16x8 tiles into (c0, c1)."""
-    deq: gl.constexpr = _deq_asm(J, IS_BF16)
-    b = gl.inline_asm_elementwise(
-        deq, DEQ_CONSTRAINTS, [wb, szb], dtype=gl.int32, is_pure=True, pack=4
-    )
-    mma: gl.constexpr = MMA_BF16 if IS_BF16 else MMA_FP16
+def _word(
+    wb, szb, xb, acc, J: gl.constexpr, STEP: gl.constexpr, TM: gl.constexpr,
+    FOLD: gl.constexpr, IS_BF16: gl.constexpr,
+):  # fmt: skip
+    """Dequantize word J of the bundle and accumulate its 16 columns x TM tokens into ``acc``
+    (a tuple of TM // 8 tensors).  FOLD: the A operand is ``magic + q`` (see ``_fold``)."""
+    if FOLD:
+        raw: gl.constexpr = _deq_raw_asm(J, IS_BF16)
+        a = gl.inline_asm_elementwise(
+            raw, RAW_CONSTRAINTS, [wb], dtype=gl.int32, is_pure=True, pack=4
+        )
+    else:
+        deq: gl.constexpr = _deq_asm(J, IS_BF16)
+        a = gl.inline_asm_elementwise(
+            deq, DEQ_CONSTRAINTS, [wb, szb], dtype=gl.int32, is_pure=True, pack=4
+        )
+    return _mma(xb, a, acc, STEP, TM, False, IS_BF16)
+
+
+@gluon.jit
+def _mma(
+    xb, a, acc, STEP: gl.constexpr, TM: gl.constexpr, ONES: gl.constexpr, IS_BF16: gl.constexpr
+):
+    """acc (tuple of TM // 8) += A x^T, A = ``a`` or (ONES) all ones (per-token sums of x)."""
+    cons: gl.constexpr = _mma_constraints(TM, ONES)
+    if ONES:
+        asm: gl.constexpr = _xsum_asm(TM, STEP, IS_BF16)
+        args = [xb]
+    else:
+        asm: gl.constexpr = _mma_asm(TM, STEP, IS_BF16)
+        args = [xb, a]
+    if TM == 8:
+        res = (
+            gl.inline_asm_elementwise(
+                asm, cons, args + [acc[0]], dtype=gl.float32, is_pure=True, pack=4
+            ),
+        )
+    else:
+        res = gl.inline_asm_elementwise(
+            asm, cons, args + [acc[0], acc[1]], dtype=(gl.float32, gl.float32), is_pure=True, pack=4
+        )
+    return res
+
+
+@gluon.jit
+def _fold(acc, gacc, xsum, szb, J: gl.constexpr, IS_BF16: gl.constexpr):
+    """Close a (part of a) group for word J: acc += s * (gacc - (magic + z) * xsum)."""
+    asm: gl.constexpr = _fold_asm(J, IS_BF16)
     return gl.inline_asm_elementwise(
-        mma, MMA_CONSTRAINTS, [a, b, c0, c1], dtype=(gl.float32, gl.float32), is_pure=True, pack=4
+        asm, FOLD_CONSTRAINTS, [acc, gacc, xsum, szb], dtype=gl.float32, is_pure=True, pack=4
     )
+
+
+@gluon.jit
+def _zeros(n: gl.constexpr, W: gl.constexpr, L3: gl.constexpr):
+    res = ()
+    for _ in gl.static_range(n):
+        res = res + (gl.zeros([W, 32, 4], gl.float32, L3),)
+    return res
+
+
+@gluon.jit
+def _step(
+    wb, szl, szh, xb, accs, STEP: gl.constexpr, TM: gl.constexpr, FOLD: gl.constexpr,
+    IS_BF16: gl.constexpr,
+):  # fmt: skip
+    """One k16 step of the 4 words of a bundle; accs[(TM // 8) j + h]: word j, tokens 8h.."""
+    res = ()
+    for j in gl.static_range(4):
+        sz = szl if j < 2 else szh
+        if TM == 8:
+            res = res + _word(wb, sz, xb, (accs[j],), j, STEP, TM, FOLD, IS_BF16)
+        else:
+            res = res + _word(
+                wb, sz, xb, (accs[2 * j], accs[2 * j + 1]), j, STEP, TM, FOLD, IS_BF16
+            )
+    return res
+
+
+@gluon.jit
+def _fold_all(accs, gaccs, xsums, szl, szh, TM: gl.constexpr, IS_BF16: gl.constexpr):
+    res = ()
+    for j in gl.static_range(4):
+        sz = szl if j < 2 else szh
+        for h in gl.static_range(TM // 8):
+            res = res + (
+                _fold(accs[(TM // 8) * j + h], gaccs[(TM // 8) * j + h], xsums[h], sz, j, IS_BF16),
+            )
+    return res
+
+
+@gluon.jit
+def _chunk(
+    wbs, xs, szs, accs, gaccs, xsums, W: gl.constexpr, L3: gl.constexpr, CH: gl.constexpr,
+    GKB: gl.constexpr, XS: gl.constexpr, TM: gl.constexpr, FOLD: gl.constexpr,
+    IS_BF16: gl.constexpr,
+):  # fmt: skip
+    """The CH k16 steps of one chunk (FOLD: closing each group, or the chunk, on the way)."""
+    FOLD_EVERY: gl.constexpr = GKB if GKB < CH else CH
+    for u in gl.static_range(CH):
+        wb = wbs[u]
+        xb = xs[u // XS]
+        szl = szs[2 * (u // GKB)]
+        szh = szs[2 * (u // GKB) + 1]
+        if FOLD:
+            gaccs = _step(wb, szl, szh, xb, gaccs, u % XS, TM, True, IS_BF16)
+            xsums = _mma(xb, xb, xsums, u % XS, TM, True, IS_BF16)
+            if u % FOLD_EVERY == FOLD_EVERY - 1:
+                accs = _fold_all(accs, gaccs, xsums, szl, szh, TM, IS_BF16)
+                gaccs = _zeros(4 * (TM // 8), W, L3)
+                xsums = _zeros(TM // 8, W, L3)
+        else:
+            accs = _step(wb, szl, szh, xb, accs, u % XS, TM, False, IS_BF16)
+    return accs, gaccs, xsums
 
 
 @gluon.jit
 def _load_chunk(
-    qf_ptr, x_ptr, sz_ptr, kb0, w_off, x_off, x_k, x_mask, sz_off, nb_ok, KB, K2, NB,
-    CH: gl.constexpr, GKB: gl.constexpr,
+    qf_ptr, x_ptr, sz_ptr, kb0, w_off, x_off, x_k, sz_off, nb_ok, KB, K2, NB,
+    CH: gl.constexpr, GKB: gl.constexpr, XS: gl.constexpr, MASK_N: gl.constexpr,
+    MASK_K: gl.constexpr,
 ):  # fmt: skip
-    """Issue every load of one chunk (CH k16 steps): weight and x bundles, scale/zero words."""
+    """Issue every load of one chunk (CH k16 steps): weight, x and scale/zero bundles."""
     wbs = ()
     xs = ()
     szs = ()
     for u in gl.static_range(CH):
         kb = kb0 + u
-        ok = nb_ok & (kb < KB)
-        wbs = wbs + (gl.load(qf_ptr + w_off + kb * 128, mask=ok, other=0),)
-        xs = xs + (gl.load(x_ptr + x_off + kb * 8, mask=x_mask & (x_k + kb * 8 < K2), other=0),)
+        if MASK_N or MASK_K:
+            ok = nb_ok & (kb < KB)
+            wbs = wbs + (gl.load(qf_ptr + w_off + kb * 128, mask=ok, other=0),)
+        else:
+            wbs = wbs + (gl.load(qf_ptr + w_off + kb * 128),)
+        if u % XS == 0:
+            if MASK_K:
+                xk_ok = x_k + kb * 8 < K2
+                xs = xs + (gl.load(x_ptr + x_off + kb * 8, mask=xk_ok, other=0),)
+            else:
+                xs = xs + (gl.load(x_ptr + x_off + kb * 8),)
         if u % GKB == 0:
             szp = sz_ptr + (kb // GKB) * (NB * 64) + sz_off
-            szs = szs + (gl.load(szp, mask=ok, other=0),)
-            szs = szs + (gl.load(szp + 4, mask=ok, other=0),)
+            if MASK_N or MASK_K:
+                szs = szs + (gl.load(szp, mask=ok, other=0), gl.load(szp + 4, mask=ok, other=0))
+            else:
+                szs = szs + (gl.load(szp), gl.load(szp + 4))
     return wbs, xs, szs
 
 
 @gluon.jit
-def _store_tile(
-    acc,
-    out_ptr,
-    ws_ptr,
-    bias_ptr,
-    m,
-    n,
-    mask,
-    N,
-    stride_om,
-    SPLIT: gl.constexpr,
-    HAS_BIAS: gl.constexpr,
-):
+def _finish_tile(
+    acc, out_ptr, ws_ptr, bias_ptr, m, n, wsi, mask, N, stride_om,
+    SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, LAST: gl.constexpr,
+):  # fmt: skip
+    """Split-K: add into the workspace at ``wsi`` (LAST False), or, in the last CTA, take the
+    sums and leave zeros (LAST True); then store (+ bias) in the output dtype."""
     mask = mask & (n < N)
-    if SPLIT == 1:
-        v = acc
-    else:  # read the finished sum and leave zeros for the next call
-        v = gl.atomic_xchg(ws_ptr + m * N + n, gl.zeros_like(acc), mask=mask, sem="relaxed")
-    if HAS_BIAS:
-        v += gl.load(bias_ptr + n, mask=mask, other=0.0).to(gl.float32)
-    gl.store(out_ptr + m * stride_om + n, v.to(out_ptr.dtype.element_ty), mask=mask)
+    if SPLIT > 1 and not LAST:
+        gl.atomic_add(ws_ptr + wsi, acc, mask=mask, sem="relaxed")
+    else:
+        if SPLIT == 1:
+            v = acc
+        else:
+            v = gl.atomic_xchg(ws_ptr + wsi, gl.zeros_like(acc), mask=mask, sem="relaxed")
+        if HAS_BIAS:
+            v += gl.load(bias_ptr + n, mask=mask, other=0.0).to(gl.float32)
+        gl.store(out_ptr + m * stride_om + n, v.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
-def _add_tile(acc, ws_ptr, m, n, mask, N):
-    gl.atomic_add(ws_ptr + m * N + n, acc, mask=mask & (n < N), sem="relaxed")
+def _finish(
+    accs, out_ptr, ws_ptr, bias_ptr, m0, tok, n, M, N, NP, stride_om,
+    TM: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, LAST: gl.constexpr,
+):  # fmt: skip
+    # accs[(TM // 8) j + h]: columns n + 16 j (+ 8 for registers 2, 3), tokens m0 + tok + 8 h.
+    # Workspace of a token tile: [NP columns, its tokens], so a warp's adds cover whole sectors
+    # (M = 1: consecutive columns; M >= 8: the 8 tokens of a column).
+    pitch = gl.minimum(M - m0, TM)
+    for j in gl.static_range(4):
+        for h in gl.static_range(TM // 8):
+            th = tok + 8 * h
+            nj = n + 16 * j
+            _finish_tile(
+                accs[(TM // 8) * j + h], out_ptr, ws_ptr, bias_ptr, m0 + th, nj,
+                m0 * NP + nj * pitch + th, m0 + th < M, N, stride_om, SPLIT, HAS_BIAS, LAST,
+            )  # fmt: skip
 
 
 @gluon.jit
@@ -185,12 +400,17 @@ def w4a16_mma_kernel(
     W: gl.constexpr,  # warps per CTA, one 64-column block each
     CH: gl.constexpr,  # k16 steps per chunk
     GKB: gl.constexpr,  # k16 steps per quantization group
+    TM: gl.constexpr,  # tokens per CTA tile: 8 (one mma per word) or 16 (two)
     SPLIT: gl.constexpr,  # CTAs per output tile along K
-    PIPE: gl.constexpr,  # prefetch the next chunk while computing this one
+    PIPE: gl.constexpr,  # prefetch the next chunk while computing this one (registers)
+    FOLD: gl.constexpr,  # zero and scale applied per group on the fp32 sums (see _fold)
+    MASK_N: gl.constexpr,  # NB is not a multiple of W
+    MASK_K: gl.constexpr,  # the chunks overrun KB, or K is not a multiple of 16
     HAS_BIAS: gl.constexpr,
     IS_BF16: gl.constexpr,
 ):
     L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [W, 1, 1], [2, 1, 0])
+    XS: gl.constexpr = 2 if TM == 8 and CH % 2 == 0 else 1  # k16 steps per x bundle
     mt = gl.program_id(1)
     sp = gl.program_id(2)
 
@@ -204,94 +424,71 @@ def w4a16_mma_kernel(
     c = l3 % 4
     nb_ok = nb < NB
 
-    # A fragment (x rows m, k pairs): a0 (g, 2c), a1 (g+8, 2c), a2 (g, 2c+8), a3 (g+8, 2c+8)
-    xm = mt * 16 + g + 8 * (r3 % 2)
-    x_k = c + 4 * (r3 // 2)
-    x_off = xm * stride_xm + x_k
-    x_mask = xm < M
+    # B fragment (x^T: k pairs x tokens): b0 (pair c, token g), b1 (pair c + 4, token g).
+    # TM = 16: registers 2, 3 are tokens g + 8; TM = 8: they are the next k16 step (XS = 2).
+    # Tokens past M read row M - 1 (finite data; those output columns are never stored).
+    if TM == 16:
+        xm = mt * 16 + g + 8 * (r3 // 2)
+        x_k = c + 4 * (r3 % 2)
+    else:
+        xm = mt * 8 + g + 0 * r3
+        x_k = c + 4 * (r3 % 2) + 8 * (XS - 1) * (r3 // 2)
+    x_off = gl.minimum(xm, M - 1) * stride_xm + x_k
     w_off = nb * (KB * 128) + l3 * 4 + r3
     sz_off = nb * 64 + g * 8 + r3
 
-    c00 = gl.zeros([W, 32, 4], gl.float32, L3)
-    c01 = gl.zeros([W, 32, 4], gl.float32, L3)
-    c10 = gl.zeros([W, 32, 4], gl.float32, L3)
-    c11 = gl.zeros([W, 32, 4], gl.float32, L3)
-    c20 = gl.zeros([W, 32, 4], gl.float32, L3)
-    c21 = gl.zeros([W, 32, 4], gl.float32, L3)
-    c30 = gl.zeros([W, 32, 4], gl.float32, L3)
-    c31 = gl.zeros([W, 32, 4], gl.float32, L3)
-    # PIPE: the next chunk's loads are in flight while this one is computed (more registers)
+    accs = _zeros(4 * (TM // 8), W, L3)
+    # FOLD: per-group partial sums of (magic + q) x and per-token sums of x
+    gaccs = _zeros(4 * (TM // 8) if FOLD else 0, W, L3)
+    xsums = _zeros(TM // 8 if FOLD else 0, W, L3)
+    # PIPE: the next chunk's loads are in flight while this one is computed
     wbs, xs, szs = _load_chunk(
-        qf_ptr,
-        x_ptr,
-        sz_ptr,
-        sp * CH,
-        w_off,
-        x_off,
-        x_k,
-        x_mask,
-        sz_off,
-        nb_ok,
-        KB,
-        K2,
-        NB,
-        CH,
-        GKB,
-    )
+        qf_ptr, x_ptr, sz_ptr, sp * CH, w_off, x_off, x_k, sz_off, nb_ok, KB, K2, NB,
+        CH, GKB, XS, MASK_N, MASK_K,
+    )  # fmt: skip
     for i in range(n_iter):
         if PIPE:
             kb_next = ((i + 1) * SPLIT + sp) * CH
         else:
             kb_next = (i * SPLIT + sp) * CH
         nwbs, nxs, nszs = _load_chunk(
-            qf_ptr, x_ptr, sz_ptr, kb_next, w_off, x_off, x_k, x_mask, sz_off, nb_ok, KB, K2,
-            NB, CH, GKB,
+            qf_ptr, x_ptr, sz_ptr, kb_next, w_off, x_off, x_k, sz_off, nb_ok, KB, K2, NB,
+            CH, GKB, XS, MASK_N or PIPE, MASK_K or PIPE,
         )  # fmt: skip
         if not PIPE:
             wbs = nwbs
             xs = nxs
             szs = nszs
-        for u in gl.static_range(CH):
-            wb = wbs[u]
-            a = xs[u]
-            szl = szs[2 * (u // GKB)]
-            szh = szs[2 * (u // GKB) + 1]
-            c00, c01 = _word(wb, szl, a, c00, c01, 0, IS_BF16)
-            c10, c11 = _word(wb, szl, a, c10, c11, 1, IS_BF16)
-            c20, c21 = _word(wb, szh, a, c20, c21, 2, IS_BF16)
-            c30, c31 = _word(wb, szh, a, c30, c31, 3, IS_BF16)
+        accs, gaccs, xsums = _chunk(
+            wbs, xs, szs, accs, gaccs, xsums, W, L3, CH, GKB, XS, TM, FOLD, IS_BF16
+        )
         wbs = nwbs
         xs = nxs
         szs = nszs
 
-    # C fragment: c0 (g, 2c), c1 (g, 2c+1), c2 (g+8, 2c), c3 (g+8, 2c+1) of each 16x8 tile;
-    # tile t of word j covers columns 64 nb + 16 j + 8 t + (0..7)
-    m = mt * 16 + g + 8 * (r3 // 2)
-    n = nb * 64 + 2 * c + r3 % 2
-    mask = m < M  # per row; each tile adds its own column bound
+    m0 = mt * TM
+    tok = 2 * c + r3 % 2
+    n = nb * 64 + g + 8 * (r3 // 2)
+    NP = NB * 64
     if SPLIT > 1:
-        _add_tile(c00, ws_ptr, m, n, mask, N)
-        _add_tile(c01, ws_ptr, m, n + 8, mask, N)
-        _add_tile(c10, ws_ptr, m, n + 16, mask, N)
-        _add_tile(c11, ws_ptr, m, n + 24, mask, N)
-        _add_tile(c20, ws_ptr, m, n + 32, mask, N)
-        _add_tile(c21, ws_ptr, m, n + 40, mask, N)
-        _add_tile(c30, ws_ptr, m, n + 48, mask, N)
-        _add_tile(c31, ws_ptr, m, n + 56, mask, N)
+        _finish(
+            accs, out_ptr, ws_ptr, bias_ptr, m0, tok, n, M, N, NP, stride_om,
+            TM, SPLIT, HAS_BIAS, False,
+        )  # fmt: skip
         gl.thread_barrier()
         cnt = cnt_ptr + gl.program_id(0) * gl.num_programs(1) + mt
         ticket = gl.atomic_add(cnt, 1, sem="acq_rel")
-        last = ticket == SPLIT - 1
-        gl.atomic_xchg(cnt, 0, mask=last, sem="relaxed")
-        mask = mask & last
-    _store_tile(c00, out_ptr, ws_ptr, bias_ptr, m, n, mask, N, stride_om, SPLIT, HAS_BIAS)
-    _store_tile(c01, out_ptr, ws_ptr, bias_ptr, m, n + 8, mask, N, stride_om, SPLIT, HAS_BIAS)
-    _store_tile(c10, out_ptr, ws_ptr, bias_ptr, m, n + 16, mask, N, stride_om, SPLIT, HAS_BIAS)
-    _store_tile(c11, out_ptr, ws_ptr, bias_ptr, m, n + 24, mask, N, stride_om, SPLIT, HAS_BIAS)
-    _store_tile(c20, out_ptr, ws_ptr, bias_ptr, m, n + 32, mask, N, stride_om, SPLIT, HAS_BIAS)
-    _store_tile(c21, out_ptr, ws_ptr, bias_ptr, m, n + 40, mask, N, stride_om, SPLIT, HAS_BIAS)
-    _store_tile(c30, out_ptr, ws_ptr, bias_ptr, m, n + 48, mask, N, stride_om, SPLIT, HAS_BIAS)
-    _store_tile(c31, out_ptr, ws_ptr, bias_ptr, m, n + 56, mask, N, stride_om, SPLIT, HAS_BIAS)
+        if ticket == SPLIT - 1:
+            gl.atomic_xchg(cnt, 0, sem="relaxed")
+            _finish(
+                accs, out_ptr, ws_ptr, bias_ptr, m0, tok, n, M, N, NP, stride_om,
+                TM, SPLIT, HAS_BIAS, True,
+            )  # fmt: skip
+    else:
+        _finish(
+            accs, out_ptr, ws_ptr, bias_ptr, m0, tok, n, M, N, NP, stride_om,
+            TM, SPLIT, HAS_BIAS, True,
+        )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,17 +522,26 @@ def _workspace(device, n_ws: int, n_cnt: int):
     return ws, cnt
 
 
-def plan(M: int, N: int, K: int, device, warps: int = 4, chunk: int = 8, ctas_per_sm: int = 4):
+def plan(
+    M: int,
+    N: int,
+    K: int,
+    device,
+    warps: int = 4,
+    chunk: int = 8,
+    ctas_per_sm: int = 4,
+    tm: int = 16,
+):
     """(split, n_iter): CTAs per output tile along K, and chunks (of ``chunk`` k16 steps) per warp.
 
     The fewest chunks per warp that keeps the grid within ``ctas_per_sm`` CTAs per SM."""
-    return _plan(M, N, K, _num_sms(device), warps, chunk, ctas_per_sm)
+    return _plan(M, N, K, _num_sms(device), warps, chunk, ctas_per_sm, tm)
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(M: int, N: int, K: int, sms: int, warps: int, chunk: int, ctas_per_sm: int):
+def _plan(M: int, N: int, K: int, sms: int, warps: int, chunk: int, ctas_per_sm: int, tm: int):
     chunks = triton.cdiv(K // 16, chunk)
-    tiles = triton.cdiv(N // 64, warps) * triton.cdiv(M, 16)
+    tiles = triton.cdiv(N // 64, warps) * triton.cdiv(M, tm)
     target = ctas_per_sm * sms
     n_iter = 1
     while n_iter < chunks and tiles * triton.cdiv(chunks, n_iter) > target:
@@ -356,6 +562,7 @@ def w4a16_mma_matmul(
     chunk: int = 8,
     ctas_per_sm: int = 4,
     pipe: bool = False,
+    fold: bool = False,
 ) -> torch.Tensor:
     """out[M, N] = x2[M, K] @ W (+ bias); x2 fp16/bf16 on CUDA, K even.
 
@@ -373,16 +580,18 @@ def w4a16_mma_matmul(
         chunk = chunk if gkb % chunk == 0 or chunk % gkb == 0 else math.gcd(gkb, chunk)
     else:
         gkb = triton.cdiv(KB, chunk) * chunk
-    split, n_iter = plan(M, NB * 64, KB * 16, x2.device, warps, chunk, ctas_per_sm)
-    mt = triton.cdiv(M, 16)
+    tm = 8 if M <= 8 else 16
+    split, n_iter = plan(M, NB * 64, KB * 16, x2.device, warps, chunk, ctas_per_sm, tm)
+    mt = triton.cdiv(M, tm)
     out = torch.empty(M, N, device=x2.device, dtype=x2.dtype)
     grid = (triton.cdiv(NB, warps), mt, split)
-    ws, cnt = _workspace(x2.device, M * N if split > 1 else 1, grid[0] * mt)
+    ws, cnt = _workspace(x2.device, mt * tm * NB * 64 if split > 1 else 1, grid[0] * mt)
     has_bias = bias is not None
     w4a16_mma_kernel[grid](
         x2.view(torch.int32), qf, sz, bias if has_bias else out, out, ws, cnt,
         M, N, K // 2, NB, KB, n_iter, x2.stride(0) // 2, out.stride(0),
-        W=warps, CH=chunk, GKB=gkb, SPLIT=split, PIPE=pipe, HAS_BIAS=has_bias,
-        IS_BF16=x2.dtype == torch.bfloat16, num_warps=warps,
+        W=warps, CH=chunk, GKB=gkb, TM=tm, SPLIT=split, PIPE=pipe, FOLD=fold,
+        MASK_N=NB % warps != 0, MASK_K=split * n_iter * chunk != KB or K != KB * 16,
+        HAS_BIAS=has_bias, IS_BF16=x2.dtype == torch.bfloat16, num_warps=warps,
     )  # fmt: skip
     return out

@@ -216,7 +216,8 @@ def _word(
 def _mma(
     xb, a, acc, STEP: gl.constexpr, TM: gl.constexpr, ONES: gl.constexpr, IS_BF16: gl.constexpr
 ):
-    """acc (tuple of TM // 8) += A x^T, A = ``a`` or (ONES) all ones (per-token sums of x)."""
+    """acc (tuple of TM // 8) += A x^T, A = ``a`` or (ONES, ``a`` None) all ones: per-token
+    sums of x."""
     cons: gl.constexpr = _mma_constraints(TM, ONES)
     if ONES:
         asm: gl.constexpr = _xsum_asm(TM, STEP, IS_BF16)
@@ -299,7 +300,7 @@ def _chunk(
         szh = szs[2 * (u // GKB) + 1]
         if FOLD:
             gaccs = _step(wb, szl, szh, xb, gaccs, u % XS, TM, True, IS_BF16)
-            xsums = _mma(xb, xb, xsums, u % XS, TM, True, IS_BF16)
+            xsums = _mma(xb, None, xsums, u % XS, TM, True, IS_BF16)
             if u % FOLD_EVERY == FOLD_EVERY - 1:
                 accs = _fold_all(accs, gaccs, xsums, szl, szh, TM, IS_BF16)
                 gaccs = _zeros(4 * (TM // 8), W, L3)

@@ -13,8 +13,9 @@ which runs the GPU kernels (quantfw/kernels/triton/) on CUDA and, on CPU, a refe
 that reads the very same packed layout: the CPU twin of every layout transform.
 
 Packed layout (see docs/kernels-w4a16.md and quantfw/kernels/triton/w4a16_mma.py): the words
-are arranged so that each GPU lane's 128-bit load holds exactly the ``mma.m16n8k16`` B-fragment
-nibbles it needs (``pack_mma``), and scale + zero of a column share one 32-bit word in the
+are arranged so that each GPU lane's 128-bit load holds exactly the ``mma.m16n8k16`` fragment
+nibbles it needs (``pack_mma``; a word is the B fragment of two 8-column tiles, or equally the
+A fragment of one 16-column tile, which is how the kernel uses it), and scale + zero of a column share one 32-bit word in the
 activation dtype (``pack_mma_scales``).  K and N are padded to multiples of 16 and 64 with zero
 weights; ``in_features``/``out_features`` keep the true sizes.
 ``w[k, n] = (q[k, n] - z[k // G, n]) * s[k // G, n]``, ``out = x[:, perm] @ w`` where ``perm`` is
@@ -297,7 +298,7 @@ def _mma_views(K: int, N: int) -> None:
 
 
 def pack_mma(q: torch.Tensor) -> torch.Tensor:
-    """uint8/int [K, N] values 0..15 -> int32 [N/64, K/16, 32, 4] (mma B-fragment words).
+    """uint8/int [K, N] values 0..15 -> int32 [N/64, K/16, 32, 4] (mma fragment words).
 
     Word ``[nb, kb, 4g + c, j]`` nibble ``s = 4h + 2t + e`` (bits ``4s``) holds
     ``q[16kb + 8e + 2c + h, 64nb + 16j + 8t + g]``."""

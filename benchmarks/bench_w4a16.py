@@ -351,7 +351,7 @@ def main():
     extra = [] if args.no_bf16 else bf16_extra(log)
     from quantfw.kernels.triton import w4a16_kernels as TK
 
-    meta["mma_ok"] = {str(k): v for k, v in TK._MMA_OK.items()}
+    meta["kernel_ok"] = {str(k): v for k, v in TK._KERNEL_OK.items()}
     summary = summarize(rows)
     base = write_outputs(args.out, meta, rows, extra, summary)
     for s in summary:

@@ -336,10 +336,11 @@ def test_gpu_odd_chunk_and_unpadded_k(fmt, K, G):
 @gpu
 @pytest.mark.parametrize("M", [1, 2, 4, 16, 64, 300])
 def test_gpu_every_candidate_config(M):
-    from quantfw.kernels.triton.w4a16_kernels import candidate_configs
+    from quantfw.kernels.triton import w4a16_kernels as TK
 
     packed, ref_w = _gpu_case("awq", 1024, 768, 128, seed=5)
-    for cfg in candidate_configs(M):
+    x = torch.empty(M, 1024, device="cuda", dtype=torch.float16)
+    for cfg in TK.candidate_configs(M, TK._is_hopper(x)):
         _gpu_check(packed, ref_w, M, torch.float16, seed=M, config=cfg)
 
 
@@ -357,6 +358,58 @@ def test_gpu_split_k_leaves_workspace_clean(dtype):
             for seed, (pipe, fold) in enumerate([(False, True), (True, True), (False, False)]):
                 cfg = ("mma", 2, 8, cps, pipe, fold)
                 _gpu_check(packed, ref_w, M, dtype, seed=seed, config=cfg)
+            ws, cnt = MK._WORKSPACE[torch.cuda.current_device()]
+            assert not ws.any() and not cnt.any()
+
+
+def _needs_hopper():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma kernel needs sm_90")
+
+
+WG_CONFIGS = [  # tokens, warpgroups (64-column blocks), k16 steps per stage, stages, CTAs/SM
+    ("wg", 16, 1, 4, 4, 4),
+    ("wg", 32, 2, 4, 4, 8),
+    ("wg", 64, 1, 4, 4, 2),
+    ("wg", 64, 2, 2, 4, 1),
+    ("wg", 128, 2, 2, 6, 1),
+    ("wg", 256, 2, 4, 3, 1),
+]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "fmt,K,G", [("awq", 640, 128), ("awq", 672, 32), ("awq", 672, 48), ("gptq_sym", 600, -1)]
+)
+def test_gpu_wgmma_kernel(fmt, K, G, dtype):
+    """Hopper wgmma kernel: every tile shape, ragged M and N (392), group sizes that split a
+    stage (32), shrink it (48) or span K (-1); K = 600 is padded to 608 in the packed weights
+    and the TMA tiles past K read zeros."""
+    _needs_hopper()
+    packed, ref_w = _gpu_case(fmt, K, 392, G, seed=31)
+    for i, cfg in enumerate(WG_CONFIGS):
+        for M in (17, 64, 130):
+            _gpu_check(packed, ref_w, M, dtype, seed=10 * i + M, config=cfg)
+
+
+@gpu
+def test_gpu_wgmma_split_k_leaves_workspace_clean():
+    from quantfw.kernels.triton import w4a16_mma as MK
+    from quantfw.kernels.triton import w4a16_wgmma as WK
+
+    _needs_hopper()
+    packed, ref_w = _gpu_case("awq", 4096, 512, 128, seed=8)
+    for M in (17, 40):
+        for cfg in (("wg", 32, 1, 4, 4, 8), ("wg", 16, 1, 2, 4, 16)):
+            split, _ = WK._plan(
+                4096 // (16 * cfg[3]),
+                8 * -(-M // cfg[1]),
+                MK._num_sms(torch.device("cuda")),
+                cfg[5],
+            )
+            assert split > 1
+            _gpu_check(packed, ref_w, M, torch.float16, seed=M, config=cfg)
             ws, cnt = MK._WORKSPACE[torch.cuda.current_device()]
             assert not ws.any() and not cnt.any()
 

@@ -7,8 +7,12 @@ Two paths, chosen per M bucket and shape by a cached config (see tune()):
   fragments (``fold``: zero and scale applied once per group on the fp32 sums; ``pipe``: the
   next chunk prefetched in registers), split-K partials meet in a self-cleaning fp32
   workspace inside the one launch.
-* ``("deq", BLOCK_KB, warps)`` (larger M): ``_w4a16_dequant_kernel`` writes a transient
-  ``[K, N]`` buffer in the activation dtype (freed after the call; never kept), then cuBLAS.
+* ``("wg", tokens, warpgroups, ks, stages, ctas_per_sm)`` (M > 16 on Hopper, sm_90): the
+  Gluon kernel of ``w4a16_wgmma.py``; weights dequantized in registers as the A operand of
+  ``wgmma``, x tiles brought in by TMA, ``stages`` deep.
+* ``("deq", BLOCK_KB, warps)`` (larger M elsewhere, and a tuning candidate on Hopper):
+  ``_w4a16_dequant_kernel`` writes a transient ``[K, N]`` buffer in the activation dtype
+  (freed after the call; never kept), then cuBLAS.
 
 Nothing here synchronizes with the host, so a call is safe under CUDA graph capture once its
 config has been compiled (warm up every M bucket before capturing).
@@ -95,23 +99,46 @@ def _w4a16_dequant_kernel(
 # configs and dispatch
 
 _CONFIG_CACHE: dict[tuple, tuple] = {}
-_MMA_OK: dict[tuple, bool] = {}
+_KERNEL_OK: dict[tuple, bool] = {}
+WG_MIN_M = 17  # below this the mma.sync kernel's 8/16-token tiles waste less
 
 
 def _m_bucket(M: int) -> int:
     return 1 << max(0, (M - 1).bit_length())
 
 
-def default_config(M: int, N: int, K: int, G: int) -> tuple:
+def default_config(M: int, N: int, K: int, G: int, hopper: bool = False) -> tuple:
     # the configs the rotated-weights tuner picked most often on H200 (docs/kernels-w4a16.md):
     # at M <= 8 on 6 of 8 shapes (M = 4), at 8 < M <= 16 on 5 of 8
-    if M <= MMA_MAX_M:
+    if M < WG_MIN_M or (M <= MMA_MAX_M and not hopper):
         return ("mma", 4, 8, 4, True, True) if M <= 8 else ("mma", 2, 8, 8, False, True)
+    if hopper:
+        return _WG_DEFAULT[_wg_bucket(M)]
     return ("deq", 8, 4)
 
 
-def candidate_configs(M: int) -> list[tuple]:
-    """The small set tried by tune() for one M bucket."""
+_WG = {  # ("wg", tokens per CTA, warpgroups (64-column blocks), ks, stages, ctas_per_sm)
+    32: [("wg", 32, 1, 4, 4, 4), ("wg", 32, 1, 4, 4, 8), ("wg", 32, 2, 4, 4, 4)],
+    64: [("wg", 64, 1, 4, 4, 2), ("wg", 64, 1, 4, 4, 4), ("wg", 64, 2, 4, 4, 2)],
+    128: [("wg", 128, 1, 4, 4, 2), ("wg", 128, 2, 4, 4, 1), ("wg", 64, 2, 4, 4, 2)],
+    256: [("wg", 128, 2, 4, 4, 1), ("wg", 256, 2, 4, 3, 1), ("wg", 256, 2, 4, 4, 1)],
+    1024: [
+        ("wg", 256, 2, 4, 4, 1),
+        ("wg", 256, 2, 4, 3, 1),
+        ("wg", 256, 2, 4, 5, 1),
+        ("wg", 128, 2, 4, 4, 1),
+    ],
+}
+_WG_DEFAULT = {32: _WG[32][0], 64: _WG[64][0], 128: _WG[128][1], 256: _WG[256][0]}
+_WG_DEFAULT[1024] = _WG[1024][0]
+
+
+def _wg_bucket(M: int) -> int:
+    return next(b for b in _WG if b >= M or b == 1024)
+
+
+def candidate_configs(M: int, hopper: bool = False) -> list[tuple]:
+    """The small set tried by tune() for one M bucket (``hopper``: add the wgmma kernel)."""
     mma = [
         ("mma", 2, 8, 8, False, True),
         ("mma", 4, 8, 4, False, True),
@@ -123,11 +150,12 @@ def candidate_configs(M: int) -> list[tuple]:
         ("mma", 4, 8, 4, False, False),
     ]
     deq = [("deq", 8, 4), ("deq", 4, 4), ("deq", 16, 8)]
+    wg = _WG[_wg_bucket(M)] if hopper and M >= WG_MIN_M else []
     if M <= MMA_MAX_M:
-        return mma
+        return mma + wg
     if M <= 256:
-        return mma[:3] + deq
-    return deq
+        return mma[:3] + deq + wg
+    return deq + wg
 
 
 def _fallback(x2, packed, bias):
@@ -147,6 +175,11 @@ def _launch(x2, packed, bias, cfg):
 
         _, warps, chunk, cps, pipe, fold = cfg
         return w4a16_mma_matmul(x2, packed.qweight, sz, N, G, bias, warps, chunk, cps, pipe, fold)
+    if cfg[0] == "wg":
+        from quantfw.kernels.triton.w4a16_wgmma import w4a16_wgmma_matmul
+
+        _, bt, nwg, ks, stages, cps = cfg
+        return w4a16_wgmma_matmul(x2, packed.qweight, sz, N, G, bias, bt, nwg, ks, stages, cps)
     _, bkb, warps = cfg
     NB, KB = packed.qweight.shape[:2]
     w = torch.empty(K, N, device=x2.device, dtype=x2.dtype)
@@ -162,22 +195,33 @@ def _run(x2, packed, bias, cfg):
     G = packed.group_size
     if packed.in_features > G and G % 16:  # irregular act-order groups: unfused fallback
         return _fallback(x2, packed, bias)
-    if cfg[0] == "mma":
-        key = (x2.device.index, x2.dtype)
-        if key not in _MMA_OK:
+    if cfg[0] == "wg" and not _is_hopper(x2):
+        cfg = default_config(x2.shape[0], packed.out_features, packed.in_features, G)
+    if cfg[0] != "deq":
+        key = (x2.device.index, x2.dtype, cfg[0])
+        if key not in _KERNEL_OK:
             try:
                 out = _launch(x2, packed, bias, cfg)
-                _MMA_OK[key] = True
+                _KERNEL_OK[key] = True
                 return out
             except Exception as e:  # Gluon / inline PTX unavailable on this toolchain or GPU
                 warnings.warn(
-                    f"w4a16: mma kernel unavailable ({e!r:.300}); using dequantize + matmul",
+                    f"w4a16: {cfg[0]} kernel unavailable ({e!r:.300}); using dequantize + matmul",
                     stacklevel=3,
                 )
-                _MMA_OK[key] = False
-        if not _MMA_OK[key]:
+                _KERNEL_OK[key] = False
+        if not _KERNEL_OK[key]:
             cfg = ("deq", 8, 4)
     return _launch(x2, packed, bias, cfg)
+
+
+def _is_hopper(x2) -> bool:
+    """sm_90, a Triton with Gluon's Hopper API, and rows TMA can address (K % 8 == 0)."""
+    try:
+        from quantfw.kernels.triton.w4a16_wgmma import supported
+    except ImportError:
+        return False
+    return supported(x2)
 
 
 def _key(M, packed, dtype):
@@ -192,7 +236,7 @@ def w4a16_matmul_cuda(x2, packed, bias=None, config: tuple | None = None):
     if config is None:
         config = _CONFIG_CACHE.get(_key(M, packed, x2.dtype))
         if config is None:
-            config = default_config(M, packed.out_features, K, packed.group_size)
+            config = default_config(M, packed.out_features, K, packed.group_size, _is_hopper(x2))
     if bias is not None:
         bias = bias.contiguous()
     return _run(x2.contiguous(), packed, bias, config)
@@ -209,7 +253,7 @@ def tune(x2, packed, bias=None, rep_ms: float = 20.0, bench=None) -> tuple:
 
     M = x2.shape[0]
     best, best_t = None, float("inf")
-    for cfg in candidate_configs(M):
+    for cfg in candidate_configs(M, _is_hopper(x2)):
         try:
             w4a16_matmul_cuda(x2, packed, bias, config=cfg)
             if bench is None:

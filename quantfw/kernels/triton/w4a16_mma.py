@@ -55,8 +55,14 @@ def _deq_asm(j: int, is_bf16: bool) -> str:
     """PTX for word ``j`` of the weight bundle ($4..$7) with its scale/zero bundle ($8..$11).
 
     Outputs $0..$3: register p = (k 2c + 8 (p % 2), column g + 8 (p // 2)), dequantized."""
+    return deq_word_asm(4 + j, 8 + 2 * (j % 2), 9 + 2 * (j % 2), is_bf16)
+
+
+@constexpr_function
+def deq_word_asm(word: int, sz0: int, sz1: int, is_bf16: bool) -> str:
+    """PTX dequantizing the packed word in register ``$word`` into $0..$3 (see ``_deq_asm``),
+    with the scale/zero pairs of its columns g in ``$sz0`` and g + 8 in ``$sz1``."""
     magic = BF16_MAGIC if is_bf16 else FP16_MAGIC
-    sz0 = 8 + 2 * (j % 2)
     if is_bf16:  # bf16x2 sub/mul need sm_90; fma.rn.bf16x2 (sm_80) with z negated, -0.0 addend
 
         def sub(d, z):
@@ -80,9 +86,9 @@ def _deq_asm(j: int, is_bf16: bool) -> str:
         negate = ""
     return (
         "{ .reg .b32 q, z0, s0, z1, s1;\n"
-        f"mov.b32 q, ${4 + j};\n"
+        f"mov.b32 q, ${word};\n"
         f"prmt.b32 s0, ${sz0}, 0, 0x1010; prmt.b32 z0, ${sz0}, 0, 0x3232;\n"
-        f"prmt.b32 s1, ${sz0 + 1}, 0, 0x1010; prmt.b32 z1, ${sz0 + 1}, 0, 0x3232;\n"
+        f"prmt.b32 s1, ${sz1}, 0, 0x1010; prmt.b32 z1, ${sz1}, 0, 0x3232;\n"
         + negate
         + f"lop3.b32 $0, q, 0x000f000f, {magic:#x}, 0xea; shr.u32 q, q, 4;\n"
         f"lop3.b32 $1, q, 0x000f000f, {magic:#x}, 0xea; shr.u32 q, q, 4;\n"
@@ -345,11 +351,13 @@ def _load_chunk(
 @gluon.jit
 def _finish_tile(
     acc, out_ptr, ws_ptr, bias_ptr, m, n, wsi, mask, N, stride_om,
-    SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, LAST: gl.constexpr,
+    SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, LAST: gl.constexpr, MASK_N: gl.constexpr = True,
 ):  # fmt: skip
     """Split-K: add into the workspace at ``wsi`` (LAST False), or, in the last CTA, take the
-    sums and leave zeros (LAST True); then store (+ bias) in the output dtype."""
-    mask = mask & (n < N)
+    sums and leave zeros (LAST True); then store (+ bias) in the output dtype.  MASK_N False:
+    every ``n`` is a real column (lets the stores vectorize)."""
+    if MASK_N:
+        mask = mask & (n < N)
     if SPLIT > 1 and not LAST:
         gl.atomic_add(ws_ptr + wsi, acc, mask=mask, sem="relaxed")
     else:

@@ -312,7 +312,7 @@ def w4a16_wgmma_matmul(
     in flight."""
     M, K = x2.shape
     NB, KB = qf.shape[:2]
-    if nwg not in (1, 2):  # 4 (16 warps) gave wrong sums on H200; see docs/kernels-w4a16.md
+    if nwg not in (1, 2):  # 4 (16 warps): slower and untested since a fix (docs, experiment 19)
         raise ValueError(f"w4a16 wgmma kernel: nwg = {nwg}; supported: 1, 2")
     if bt % 8 or not 8 <= bt <= 256:
         raise ValueError(f"w4a16 wgmma kernel: bt = {bt}; supported: multiples of 8 in 8..256")

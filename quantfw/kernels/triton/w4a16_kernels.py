@@ -1,6 +1,6 @@
 """W4A16 on CUDA over the PackedW4 layout (see quantfw/kernels/w4a16.py): dispatch and tuning.
 
-Two paths, chosen per M bucket and shape by a cached config (see tune()):
+Three paths, chosen per M bucket and shape by a cached config (see tune()):
 
 * ``("mma", warps, chunk, ctas_per_sm, pipe, fold)`` (M <= 64 by default): the Gluon kernel
   of ``w4a16_mma.py``; weights are dequantized in registers straight into ``mma.sync``

@@ -4,16 +4,17 @@ of ``wgmma``, x streamed by TMA.
 Same packed layout as the ``mma.sync`` kernel (``pack_mma``; see w4a16_mma.py): in block
 ``(nb, kb)`` lane ``l = 4g + c`` holds 4 words, word ``j`` being its ``m16n8k16`` A fragment for
 the 16 columns ``64 nb + 16 j + (0..15)``.  A ``wgmma`` A tile is 64 rows (4 warps x 16), so
-one CTA owns one 64-column block: warp ``w`` of each warpgroup takes word ``j = w`` and the
-accumulator row ``r`` is column ``64 nb + r``.  The computed product is ``W^T x^T`` (columns x
-tokens); the epilogue transposes it in registers and stores rows of ``out``.
+each warpgroup owns one 64-column block: its warp ``w`` takes word ``j = w`` and accumulator
+row ``r`` is column ``64 nb + r``.  A CTA's ``NWG`` (1 or 2) warpgroups take adjacent blocks
+and share the x tiles.  The computed product is ``W^T x^T`` (columns x tokens); the epilogue
+transposes it in registers and stores rows of ``out``.
 
 Per pipeline stage (``KS`` k16 steps): one TMA copy of the x tile ``[tokens, 16 KS]`` (zero
-filled past M and K) and one of the block's ``KS x 512`` weight bytes land on an mbarrier; each
-thread reads its ``KS`` words from shared memory, dequantizes them (``(q - z) * s`` in the
-activation dtype, as the per-element path of the small-M kernel) into the A fragment, and one
-asynchronous ``wgmma`` per stage adds ``A x^T`` while the next stage is dequantized.  With two
-warpgroups (``NWG = 2``) each takes half the tokens and both dequantize the same words.
+filled past M and K) and one of the blocks' ``KS x NWG x 512`` weight bytes land on an
+mbarrier; each thread reads its ``KS`` words from shared memory, dequantizes them (``(q - z) *
+s`` in the activation dtype, as the per-element path of the small-M kernel) into the A
+fragment, and one asynchronous ``wgmma`` per stage adds ``A x^T`` while the next stage is
+dequantized (into other registers: stages run in pairs, see ``_stage``).
 Split-K CTAs meet in the same self-cleaning fp32 workspace as the small-M kernel.
 """
 

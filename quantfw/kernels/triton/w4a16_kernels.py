@@ -215,13 +215,15 @@ def _run(x2, packed, bias, cfg):
     return _launch(x2, packed, bias, cfg)
 
 
+try:  # Gluon's Hopper API (TMA, wgmma) is missing from older Tritons
+    from quantfw.kernels.triton.w4a16_wgmma import supported as _wg_supported
+except ImportError:
+    _wg_supported = None
+
+
 def _is_hopper(x2) -> bool:
     """sm_90, a Triton with Gluon's Hopper API, and rows TMA can address (K % 8 == 0)."""
-    try:
-        from quantfw.kernels.triton.w4a16_wgmma import supported
-    except ImportError:
-        return False
-    return supported(x2)
+    return _wg_supported is not None and _wg_supported(x2)
 
 
 def _key(M, packed, dtype):

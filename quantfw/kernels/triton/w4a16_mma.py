@@ -560,6 +560,19 @@ def _plan(M: int, N: int, K: int, sms: int, warps: int, chunk: int, ctas_per_sm:
     return split, n_iter
 
 
+def group_steps(group_size: int, K: int, KB: int, steps: int, kernel: str) -> tuple[int, int]:
+    """(k16 steps per quantization group, k16 steps per chunk or stage) for a kernel that
+    handles ``steps`` k16 steps at a time: the chunk shrinks to gcd(group, chunk) unless one
+    divides the other, so a group never starts inside a chunk; per-channel (``group_size >=
+    K``) is one group covering every chunk."""
+    if group_size >= K:
+        return triton.cdiv(KB, steps) * steps, steps
+    if group_size % 16:
+        raise ValueError(f"w4a16 {kernel} kernel: group size {group_size} is not a multiple of 16")
+    gkb = group_size // 16
+    return gkb, steps if gkb % steps == 0 or steps % gkb == 0 else math.gcd(gkb, steps)
+
+
 def w4a16_mma_matmul(
     x2: torch.Tensor,
     qf: torch.Tensor,
@@ -582,13 +595,7 @@ def w4a16_mma_matmul(
         x2 = x2.contiguous()
     if x2.data_ptr() % 4:  # read as int32 pairs
         x2 = x2.clone()
-    if group_size < K:
-        if group_size % 16:
-            raise ValueError(f"w4a16 mma kernel: group size {group_size} is not a multiple of 16")
-        gkb = group_size // 16
-        chunk = chunk if gkb % chunk == 0 or chunk % gkb == 0 else math.gcd(gkb, chunk)
-    else:
-        gkb = triton.cdiv(KB, chunk) * chunk
+    gkb, chunk = group_steps(group_size, K, KB, chunk, "mma")
     tm = 8 if M <= 8 else 16
     split, n_iter = plan(M, NB * 64, KB * 16, x2.device, warps, chunk, ctas_per_sm, tm)
     mt = triton.cdiv(M, tm)

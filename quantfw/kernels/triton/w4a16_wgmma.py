@@ -34,7 +34,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from quantfw.kernels.triton.w4a16_mma import _finish_tile, _num_sms, _workspace, deq_word_asm
+from quantfw.kernels.triton.w4a16_mma import (
+    _finish_tile,
+    _num_sms,
+    _workspace,
+    deq_word_asm,
+    group_steps,
+)
 
 # pack = 8: inputs $4..$11 (the word, broadcast), $12..$19 (scale/zero pairs: t = 0 in
 # $12..$15, t = 1 in $16..$19); outputs $0..$3 (8 halves, register p = element pair p)
@@ -321,14 +327,7 @@ def w4a16_wgmma_matmul(
         raise ValueError(f"w4a16 wgmma kernel: K = {K} is not a multiple of 8 (TMA row alignment)")
     if x2.stride(1) != 1 or x2.stride(0) != K or x2.data_ptr() % 16:
         x2 = x2.contiguous() if x2.data_ptr() % 16 == 0 else x2.clone()
-    if group_size < K:
-        if group_size % 16:
-            raise ValueError(f"w4a16 wgmma kernel: group size {group_size} is not a multiple of 16")
-        gkb = group_size // 16
-        while ks > 1 and gkb % ks and ks % gkb:
-            ks //= 2
-    else:
-        gkb = triton.cdiv(KB, ks) * ks
+    gkb, ks = group_steps(group_size, K, KB, ks, "wgmma")
     gdt = gl.bfloat16 if x2.dtype == torch.bfloat16 else gl.float16
     x_desc = TensorDescriptor.from_tensor(
         x2, [bt, 16 * ks], gl.NVMMASharedLayout.get_default_for([bt, 16 * ks], gdt)

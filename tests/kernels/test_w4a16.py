@@ -268,6 +268,26 @@ def test_errors_name_the_problem():
         W.w4a16_matmul(torch.randn(2, 63).half(), packed)
 
 
+def test_dispatch_picks_kernels_by_m_shape_and_gpu():
+    """Pure host logic: which kernel kind serves which M on Hopper and elsewhere."""
+    from quantfw.kernels.w4a16_configs import candidate_configs, default_config
+
+    def kind(M, N, K, hopper):
+        return default_config(M, N, K, 128, hopper)[0]
+
+    assert [kind(M, 4096, 4096, True) for M in (1, 2, 16, 17, 64, 4096)] == (
+        ["mma", "ring", "ring", "wg", "wg", "wg"]
+    )
+    assert kind(4, 24576, 4096, True) == "mma"  # large weights: the ring kernel lost there
+    assert {kind(M, 4096, 4096, False) for M in (1, 4, 16, 64)} == {"mma"}
+    assert kind(65, 4096, 4096, False) == "deq"
+    for M, hopper in [(1, True), (16, True), (17, True), (300, True), (4, False), (300, False)]:
+        kinds = {c[0] for c in candidate_configs(M, hopper)}
+        assert ("ring" in kinds) == (hopper and M <= 16)
+        assert ("wg" in kinds) == (hopper and M > 16)
+        assert kinds & {"mma", "deq"}
+
+
 def test_cpu_path_does_not_import_triton_kernels():
     packed = W.repack_awq(*make_awq(64, 16, 32, 1)[0], 32)
     W.w4a16_matmul(torch.randn(2, 64).half(), packed)
@@ -364,7 +384,7 @@ def test_gpu_split_k_leaves_workspace_clean(dtype):
 
 def _needs_hopper():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the wgmma kernel needs sm_90")
+        pytest.skip("the wgmma and ring kernels need sm_90")
 
 
 WG_CONFIGS = [  # tokens, warpgroups (64-column blocks), k16 steps per stage, stages, CTAs/SM
@@ -380,12 +400,19 @@ WG_CONFIGS = [  # tokens, warpgroups (64-column blocks), k16 steps per stage, st
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
-    "fmt,K,G", [("awq", 640, 128), ("awq", 672, 32), ("awq", 672, 48), ("gptq_sym", 600, -1)]
+    "fmt,K,G",
+    [
+        ("awq", 640, 128),
+        ("awq", 672, 32),
+        ("awq", 672, 48),
+        ("gptq_sym", 600, -1),
+        ("awq", 612, -1),
+    ],
 )
 def test_gpu_wgmma_kernel(fmt, K, G, dtype):
     """Hopper wgmma kernel: every tile shape, ragged M and N (392), group sizes that split a
     stage (32), shrink it (48) or span K (-1); K = 600 is padded to 608 in the packed weights
-    and the TMA tiles past K read zeros."""
+    and the TMA tiles past K read zeros; K = 612 (rows TMA cannot address) pads x to 616."""
     _needs_hopper()
     packed, ref_w = _gpu_case(fmt, K, 392, G, seed=31)
     for i, cfg in enumerate(WG_CONFIGS):
@@ -409,6 +436,50 @@ def test_gpu_wgmma_split_k_leaves_workspace_clean():
                 cfg[5],
             )
             assert split > 1
+            _gpu_check(packed, ref_w, M, torch.float16, seed=M, config=cfg)
+            ws, cnt = MK._WORKSPACE[torch.cuda.current_device()]
+            assert not ws.any() and not cnt.any()
+
+
+RING_CONFIGS = [  # warps (64-column blocks), k16 steps per chunk, ring slots, CTAs/SM
+    ("ring", 4, 8, 4, 3),
+    ("ring", 4, 4, 2, 8),
+    ("ring", 2, 8, 3, 6),
+    ("ring", 1, 8, 6, 12),
+    ("ring", 1, 2, 4, 16),
+]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "fmt,K,G", [("awq", 640, 128), ("awq", 672, 32), ("awq", 672, 48), ("gptq_sym", 600, -1)]
+)
+def test_gpu_ring_kernel(fmt, K, G, dtype):
+    """Hopper TMA-ring kernel: W = 4 leaves a partial column tile (N = 392: 7 blocks), chunks
+    shrink to a group (48: 1 step) or span several (32), K = 600 masks x past the true K and
+    TMA reads zero words past the packed K; M covers 8- and 16-token tiles and several tiles.
+    (The ring wraps in the split-K test below.)"""
+    _needs_hopper()
+    packed, ref_w = _gpu_case(fmt, K, 392, G, seed=41)
+    for i, cfg in enumerate(RING_CONFIGS):
+        for M in (1, 5, 12, 16, 40):
+            _gpu_check(packed, ref_w, M, dtype, seed=10 * i + M, config=cfg)
+
+
+@gpu
+def test_gpu_ring_split_k_leaves_workspace_clean():
+    from quantfw.kernels.triton import w4a16_mma as MK
+    from quantfw.kernels.triton import w4a16_ring as RK
+
+    _needs_hopper()
+    packed, ref_w = _gpu_case("awq", 4096, 512, 128, seed=8)
+    sms = MK._num_sms(torch.device("cuda"))
+    for M in (1, 16, 20):
+        for cfg in (("ring", 1, 2, 2, 1), ("ring", 2, 2, 3, 1)):
+            tiles = -(-8 // cfg[1]) * -(-M // (8 if M <= 8 else 16))
+            split, n_iter = RK.plan(256 // cfg[2], tiles, sms, cfg[4])
+            assert split > 1 and n_iter > cfg[3]  # split-K, and the ring wraps
             _gpu_check(packed, ref_w, M, torch.float16, seed=M, config=cfg)
             ws, cnt = MK._WORKSPACE[torch.cuda.current_device()]
             assert not ws.any() and not cnt.any()

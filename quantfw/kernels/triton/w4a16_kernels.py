@@ -1,13 +1,16 @@
 """W4A16 on CUDA over the PackedW4 layout (see quantfw/kernels/w4a16.py): dispatch and tuning.
 
-Three paths, chosen per M bucket and shape by a cached config (see tune()):
+Four paths, chosen per M bucket and shape by a cached config (see tune()):
 
-* ``("mma", warps, chunk, ctas_per_sm, pipe, fold)`` (M <= 64 by default): the Gluon kernel
+* ``("mma", warps, chunk, ctas_per_sm, pipe, fold)`` (M <= 64 off Hopper): the Gluon kernel
   of ``w4a16_mma.py``; weights are dequantized in registers straight into ``mma.sync``
   fragments (``fold``: zero and scale applied once per group on the fp32 sums; ``pipe``: the
   next chunk prefetched in registers), split-K partials meet in a self-cleaning fp32
   workspace inside the one launch.
-* ``("wg", tokens, warpgroups, ks, stages, ctas_per_sm)`` (M > 16 on Hopper, sm_90): the
+* ``("ring", warps, chunk, stages, ctas_per_sm)`` (Hopper, M <= 16: a tuning candidate, and the
+  default for 2..16 tokens on weights up to 4096 x 4096): the same math with the weight words
+  brought in by TMA through a ``stages``-deep shared-memory ring (``w4a16_ring.py``).
+* ``("wg", tokens, warpgroups, ks, stages, ctas_per_sm)`` (M > 16 on Hopper): the
   Gluon kernel of ``w4a16_wgmma.py``; weights dequantized in registers as the A operand of
   ``wgmma``, x tiles brought in by TMA, ``stages`` deep.
 * ``("deq", BLOCK_KB, warps)`` (larger M elsewhere, and a tuning candidate on Hopper):
@@ -26,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-MMA_MAX_M = 64
+from quantfw.kernels.w4a16_configs import candidate_configs, default_config
 
 
 @triton.jit
@@ -100,62 +103,10 @@ def _w4a16_dequant_kernel(
 
 _CONFIG_CACHE: dict[tuple, tuple] = {}
 _KERNEL_OK: dict[tuple, bool] = {}
-WG_MIN_M = 17  # below this the mma.sync kernel's 8/16-token tiles waste less
 
 
 def _m_bucket(M: int) -> int:
     return 1 << max(0, (M - 1).bit_length())
-
-
-def default_config(M: int, N: int, K: int, G: int, hopper: bool = False) -> tuple:
-    # the configs the rotated-weights tuner picked most often on H200 (docs/kernels-w4a16.md):
-    # at M <= 8 on 6 of 8 shapes (M = 4), at 8 < M <= 16 on 5 of 8
-    if M < WG_MIN_M or (M <= MMA_MAX_M and not hopper):
-        return ("mma", 4, 8, 4, True, True) if M <= 8 else ("mma", 2, 8, 8, False, True)
-    if hopper:
-        return _WG_DEFAULT[_wg_bucket(M)]
-    return ("deq", 8, 4)
-
-
-_WG = {  # ("wg", tokens per CTA, warpgroups (64-column blocks), ks, stages, ctas_per_sm)
-    32: [("wg", 32, 1, 4, 4, 4), ("wg", 32, 1, 4, 4, 8), ("wg", 32, 2, 4, 4, 4)],
-    64: [("wg", 64, 1, 4, 4, 2), ("wg", 64, 1, 4, 4, 4), ("wg", 64, 2, 4, 4, 2)],
-    128: [("wg", 128, 1, 4, 4, 2), ("wg", 128, 2, 4, 4, 1), ("wg", 64, 2, 4, 4, 2)],
-    256: [("wg", 128, 2, 4, 4, 1), ("wg", 256, 2, 4, 3, 1), ("wg", 256, 2, 4, 4, 1)],
-    1024: [
-        ("wg", 256, 2, 4, 4, 1),
-        ("wg", 256, 2, 4, 3, 1),
-        ("wg", 256, 2, 4, 5, 1),
-        ("wg", 128, 2, 4, 4, 1),
-    ],
-}
-_WG_DEFAULT = {32: _WG[32][0], 64: _WG[64][0], 128: _WG[128][1], 256: _WG[256][0]}
-_WG_DEFAULT[1024] = _WG[1024][0]
-
-
-def _wg_bucket(M: int) -> int:
-    return next(b for b in _WG if b >= M or b == 1024)
-
-
-def candidate_configs(M: int, hopper: bool = False) -> list[tuple]:
-    """The small set tried by tune() for one M bucket (``hopper``: add the wgmma kernel)."""
-    mma = [
-        ("mma", 2, 8, 8, False, True),
-        ("mma", 4, 8, 4, False, True),
-        ("mma", 4, 8, 8, False, True),
-        ("mma", 8, 8, 4, False, True),
-        ("mma", 4, 4, 8, False, True),
-        ("mma", 4, 8, 4, True, True),
-        ("mma", 2, 8, 8, False, False),
-        ("mma", 4, 8, 4, False, False),
-    ]
-    deq = [("deq", 8, 4), ("deq", 4, 4), ("deq", 16, 8)]
-    wg = _WG[_wg_bucket(M)] if hopper and M >= WG_MIN_M else []
-    if M <= MMA_MAX_M:
-        return mma + wg
-    if M <= 256:
-        return mma[:3] + deq + wg
-    return deq + wg
 
 
 def _fallback(x2, packed, bias):
@@ -175,6 +126,11 @@ def _launch(x2, packed, bias, cfg):
 
         _, warps, chunk, cps, pipe, fold = cfg
         return w4a16_mma_matmul(x2, packed.qweight, sz, N, G, bias, warps, chunk, cps, pipe, fold)
+    if cfg[0] == "ring":
+        from quantfw.kernels.triton.w4a16_ring import w4a16_ring_matmul
+
+        _, warps, chunk, stages, cps = cfg
+        return w4a16_ring_matmul(x2, packed.qweight, sz, N, G, bias, warps, chunk, stages, cps)
     if cfg[0] == "wg":
         from quantfw.kernels.triton.w4a16_wgmma import w4a16_wgmma_matmul
 
@@ -192,38 +148,47 @@ def _launch(x2, packed, bias, cfg):
 
 
 def _run(x2, packed, bias, cfg):
-    G = packed.group_size
+    M, K = x2.shape
+    N, G = packed.out_features, packed.group_size
     if packed.in_features > G and G % 16:  # irregular act-order groups: unfused fallback
         return _fallback(x2, packed, bias)
-    if cfg[0] == "wg" and not _is_hopper(x2):
-        cfg = default_config(x2.shape[0], packed.out_features, packed.in_features, G)
-    if cfg[0] != "deq":
+    if cfg[0] in ("wg", "ring") and not _is_hopper(x2):
+        cfg = default_config(M, N, K, G)
+    # a kernel kind that failed once on this device and dtype falls back to the next one:
+    # wg / ring -> the default off Hopper (mma or deq), mma -> deq
+    while cfg[0] != "deq":
         key = (x2.device.index, x2.dtype, cfg[0])
+        nxt = ("deq", 8, 4) if cfg[0] == "mma" else default_config(M, N, K, G)
         if key not in _KERNEL_OK:
             try:
                 out = _launch(x2, packed, bias, cfg)
                 _KERNEL_OK[key] = True
                 return out
-            except Exception as e:  # Gluon / inline PTX unavailable on this toolchain or GPU
+            except Exception as e:  # Gluon / inline PTX / TMA unavailable on this toolchain
+                _KERNEL_OK[key] = False
                 warnings.warn(
-                    f"w4a16: {cfg[0]} kernel unavailable ({e!r:.300}); using dequantize + matmul",
+                    f"w4a16: {cfg[0]} kernel unavailable ({e!r:.300}); using {nxt[0]}",
                     stacklevel=3,
                 )
-                _KERNEL_OK[key] = False
-        if not _KERNEL_OK[key]:
-            cfg = ("deq", 8, 4)
+        if _KERNEL_OK[key]:
+            break
+        cfg = nxt
     return _launch(x2, packed, bias, cfg)
 
 
 try:  # Gluon's Hopper API (TMA, wgmma) is missing from older Tritons
-    from quantfw.kernels.triton.w4a16_wgmma import supported as _wg_supported
+    from triton.experimental.gluon.language.nvidia import hopper as _gluon_hopper  # noqa: F401
+
+    _HOPPER_API = True
 except ImportError:
-    _wg_supported = None
+    _HOPPER_API = False
 
 
 def _is_hopper(x2) -> bool:
-    """sm_90, a Triton with Gluon's Hopper API, and rows TMA can address (K % 8 == 0)."""
-    return _wg_supported is not None and _wg_supported(x2)
+    """sm_90 and a Triton with Gluon's Hopper API: the ``ring`` and ``wg`` kernels can run."""
+    from quantfw.kernels.triton.w4a16_mma import is_sm90
+
+    return _HOPPER_API and x2.is_cuda and is_sm90(x2.device)
 
 
 def _key(M, packed, dtype):

@@ -317,12 +317,14 @@ def _chunk(
 
 
 @gluon.jit
-def _load_chunk(
+def load_chunk(
     qf_ptr, x_ptr, sz_ptr, kb0, w_off, x_off, x_k, sz_off, nb_ok, KB, K2, NB,
     CH: gl.constexpr, GKB: gl.constexpr, XS: gl.constexpr, MASK_N: gl.constexpr,
-    MASK_K: gl.constexpr,
+    MASK_K: gl.constexpr, WORDS: gl.constexpr = True,
 ):  # fmt: skip
-    """Issue every load of one chunk (CH k16 steps): weight, x and scale/zero bundles."""
+    """Issue every load of one chunk (CH k16 steps): weight (unless not WORDS; ``qf_ptr`` and
+    ``w_off`` are then unused), x and scale/zero bundles.  Masked: x past K and groups past
+    the last read zeros."""
     wbs = ()
     xs = ()
     szs = ()
@@ -330,9 +332,11 @@ def _load_chunk(
         kb = kb0 + u
         if MASK_N or MASK_K:
             ok = nb_ok & (kb < KB)
-            wbs = wbs + (gl.load(qf_ptr + w_off + kb * 128, mask=ok, other=0),)
-        else:
-            wbs = wbs + (gl.load(qf_ptr + w_off + kb * 128),)
+        if WORDS:
+            if MASK_N or MASK_K:
+                wbs = wbs + (gl.load(qf_ptr + w_off + kb * 128, mask=ok, other=0),)
+            else:
+                wbs = wbs + (gl.load(qf_ptr + w_off + kb * 128),)
         if u % XS == 0:
             if MASK_K:
                 xk_ok = x_k + kb * 8 < K2
@@ -390,6 +394,38 @@ def _finish(
 
 
 @gluon.jit
+def lane_coords(
+    M, stride_xm, W: gl.constexpr, TM: gl.constexpr, XS: gl.constexpr, L3: gl.constexpr
+):
+    """Per element (warp, lane l = 4g + c, register) of ``[W, 32, 4]`` in a CTA at grid
+    ``(column tiles of W blocks, token tiles, split)``: its block ``nb``, ``l3``, ``r3``, ``g``,
+    ``c``, and the offsets of its x pair (int32 units, ``x_k`` the pair index within a k16
+    step) and of its scale/zero word in a group."""
+    mt = gl.program_id(1)
+    warp = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+    lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
+    reg = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    nb = gl.program_id(0) * W + gl.expand_dims(gl.expand_dims(warp, 1), 2)
+    l3 = gl.expand_dims(gl.expand_dims(lane, 0), 2)
+    r3 = gl.expand_dims(gl.expand_dims(reg, 0), 1)
+    g = l3 // 4
+    c = l3 % 4
+
+    # B fragment (x^T: k pairs x tokens): b0 (pair c, token g), b1 (pair c + 4, token g).
+    # TM = 16: registers 2, 3 are tokens g + 8; TM = 8: they are the next k16 step (XS = 2).
+    # Tokens past M read row M - 1 (finite data; those output columns are never stored).
+    if TM == 16:
+        xm = mt * 16 + g + 8 * (r3 // 2)
+        x_k = c + 4 * (r3 % 2)
+    else:
+        xm = mt * 8 + g + 0 * r3
+        x_k = c + 4 * (r3 % 2) + 8 * (XS - 1) * (r3 // 2)
+    x_off = gl.minimum(xm, M - 1) * stride_xm + x_k
+    sz_off = nb * 64 + g * 8 + r3
+    return nb, l3, r3, g, c, x_off, x_k, sz_off
+
+
+@gluon.jit
 def w4a16_mma_kernel(
     x_ptr,  # int32 view of x [M, K/2] (pairs of activations)
     qf_ptr,  # int32 [N/64, K/16, 32, 4]
@@ -423,35 +459,16 @@ def w4a16_mma_kernel(
     mt = gl.program_id(1)
     sp = gl.program_id(2)
 
-    warp = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
-    lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
-    reg = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-    nb = gl.program_id(0) * W + gl.expand_dims(gl.expand_dims(warp, 1), 2)
-    l3 = gl.expand_dims(gl.expand_dims(lane, 0), 2)
-    r3 = gl.expand_dims(gl.expand_dims(reg, 0), 1)
-    g = l3 // 4
-    c = l3 % 4
+    nb, l3, r3, g, c, x_off, x_k, sz_off = lane_coords(M, stride_xm, W, TM, XS, L3)
     nb_ok = nb < NB
-
-    # B fragment (x^T: k pairs x tokens): b0 (pair c, token g), b1 (pair c + 4, token g).
-    # TM = 16: registers 2, 3 are tokens g + 8; TM = 8: they are the next k16 step (XS = 2).
-    # Tokens past M read row M - 1 (finite data; those output columns are never stored).
-    if TM == 16:
-        xm = mt * 16 + g + 8 * (r3 // 2)
-        x_k = c + 4 * (r3 % 2)
-    else:
-        xm = mt * 8 + g + 0 * r3
-        x_k = c + 4 * (r3 % 2) + 8 * (XS - 1) * (r3 // 2)
-    x_off = gl.minimum(xm, M - 1) * stride_xm + x_k
     w_off = nb * (KB * 128) + l3 * 4 + r3
-    sz_off = nb * 64 + g * 8 + r3
 
     accs = _zeros(4 * (TM // 8), W, L3)
     # FOLD: per-group partial sums of (magic + q) x and per-token sums of x
     gaccs = _zeros(4 * (TM // 8) if FOLD else 0, W, L3)
     xsums = _zeros(TM // 8 if FOLD else 0, W, L3)
     # PIPE: the next chunk's loads are in flight while this one is computed
-    wbs, xs, szs = _load_chunk(
+    wbs, xs, szs = load_chunk(
         qf_ptr, x_ptr, sz_ptr, sp * CH, w_off, x_off, x_k, sz_off, nb_ok, KB, K2, NB,
         CH, GKB, XS, MASK_N, MASK_K,
     )  # fmt: skip
@@ -460,7 +477,7 @@ def w4a16_mma_kernel(
             kb_next = ((i + 1) * SPLIT + sp) * CH
         else:
             kb_next = (i * SPLIT + sp) * CH
-        nwbs, nxs, nszs = _load_chunk(
+        nwbs, nxs, nszs = load_chunk(
             qf_ptr, x_ptr, sz_ptr, kb_next, w_off, x_off, x_k, sz_off, nb_ok, KB, K2, NB,
             CH, GKB, XS, MASK_N or PIPE, MASK_K or PIPE,
         )  # fmt: skip
@@ -475,6 +492,19 @@ def w4a16_mma_kernel(
         xs = nxs
         szs = nszs
 
+    epilogue(
+        accs, out_ptr, ws_ptr, cnt_ptr, bias_ptr, mt, c, g, r3, nb, M, N, NB, stride_om,
+        TM, SPLIT, HAS_BIAS,
+    )  # fmt: skip
+
+
+@gluon.jit
+def epilogue(
+    accs, out_ptr, ws_ptr, cnt_ptr, bias_ptr, mt, c, g, r3, nb, M, N, NB, stride_om,
+    TM: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
+):  # fmt: skip
+    """Store the tile of a CTA (grid ``(column tiles, token tiles, SPLIT)``); split-K: add into
+    the workspace, and the last CTA of the tile to arrive stores the sums and leaves zeros."""
     m0 = mt * TM
     tok = 2 * c + r3 % 2
     n = nb * 64 + g + 8 * (r3 // 2)
@@ -512,6 +542,17 @@ def _num_sms(device) -> int:
     if idx not in _NUM_SMS:
         _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _NUM_SMS[idx]
+
+
+_SM90: dict[int, bool] = {}
+
+
+def is_sm90(device) -> bool:
+    """Hopper (sm_90): the TMA / wgmma kernels' target (other TMA GPUs have not run them)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM90:
+        _SM90[idx] = torch.cuda.get_device_capability(idx) == (9, 0)
+    return _SM90[idx]
 
 
 def _workspace(device, n_ws: int, n_cnt: int):

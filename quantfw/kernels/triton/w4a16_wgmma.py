@@ -274,19 +274,6 @@ def w4a16_wgmma_kernel(
 # host side
 
 
-_SM90: dict[int, bool] = {}
-
-
-def supported(x2: torch.Tensor) -> bool:
-    """wgmma needs sm_90; TMA needs 16-byte aligned rows (K a multiple of 8)."""
-    if not x2.is_cuda or (x2.shape[1] * x2.element_size()) % 16:
-        return False
-    idx = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
-    if idx not in _SM90:
-        _SM90[idx] = torch.cuda.get_device_capability(idx) == (9, 0)
-    return _SM90[idx]
-
-
 @functools.lru_cache(maxsize=4096)
 def _plan(stages: int, tiles: int, sms: int, ctas_per_sm: int) -> tuple[int, int]:
     """(split, n_iter): the most CTAs per output tile along K that fit in ctas_per_sm * sms
@@ -311,7 +298,7 @@ def w4a16_wgmma_matmul(
     stages: int = 4,
     ctas_per_sm: int = 2,
 ) -> torch.Tensor:
-    """out[M, N] = x2[M, K] @ W (+ bias) on sm_90; x2 fp16/bf16, K a multiple of 8.
+    """out[M, N] = x2[M, K] @ W (+ bias) on sm_90; x2 fp16/bf16.
 
     ``qf``/``sz``: pack_mma / pack_mma_scales tensors (padded to 16 x 64), ``sz`` in x's dtype.
     ``bt`` tokens per CTA (8..256, a multiple of 8), ``nwg`` warpgroups per CTA (one 64-column
@@ -323,9 +310,9 @@ def w4a16_wgmma_matmul(
         raise ValueError(f"w4a16 wgmma kernel: nwg = {nwg}; supported: 1, 2")
     if bt % 8 or not 8 <= bt <= 256:
         raise ValueError(f"w4a16 wgmma kernel: bt = {bt}; supported: multiples of 8 in 8..256")
-    if (K * x2.element_size()) % 16:
-        raise ValueError(f"w4a16 wgmma kernel: K = {K} is not a multiple of 8 (TMA row alignment)")
-    if x2.stride(1) != 1 or x2.stride(0) != K or x2.data_ptr() % 16:
+    if K % 8:  # TMA rows must be 16-byte aligned; the packed weights past K are zero rows
+        x2 = torch.nn.functional.pad(x2, (0, 8 - K % 8))
+    elif x2.stride(1) != 1 or x2.stride(0) != K or x2.data_ptr() % 16:
         x2 = x2.contiguous() if x2.data_ptr() % 16 == 0 else x2.clone()
     gkb, ks = group_steps(group_size, K, KB, ks, "wgmma")
     gdt = gl.bfloat16 if x2.dtype == torch.bfloat16 else gl.float16

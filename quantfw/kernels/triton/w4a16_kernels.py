@@ -179,16 +179,14 @@ def _run(x2, packed, bias, cfg):
 try:  # Gluon's Hopper API (TMA, wgmma) is missing from older Tritons
     from triton.experimental.gluon.language.nvidia import hopper as _gluon_hopper  # noqa: F401
 
-    _HOPPER_API = True
+    from quantfw.kernels.triton.w4a16_mma import is_sm90 as _is_sm90
 except ImportError:
-    _HOPPER_API = False
+    _is_sm90 = None
 
 
 def _is_hopper(x2) -> bool:
     """sm_90 and a Triton with Gluon's Hopper API: the ``ring`` and ``wg`` kernels can run."""
-    from quantfw.kernels.triton.w4a16_mma import is_sm90
-
-    return _HOPPER_API and x2.is_cuda and is_sm90(x2.device)
+    return _is_sm90 is not None and x2.is_cuda and _is_sm90(x2.device)
 
 
 def _key(M, packed, dtype):

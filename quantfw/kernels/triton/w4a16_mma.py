@@ -601,6 +601,31 @@ def _plan(M: int, N: int, K: int, sms: int, warps: int, chunk: int, ctas_per_sm:
     return split, n_iter
 
 
+@functools.lru_cache(maxsize=4096)
+def split_plan(
+    steps: int, tiles: int, sms: int, ctas_per_sm: int, even: bool = False
+) -> tuple[int, int]:
+    """(split, n_iter) for kernels whose CTAs each run a contiguous range of ``n_iter`` of the
+    ``steps`` chunks/stages: the most CTAs per output tile along K that fit in ``ctas_per_sm *
+    sms`` (any count, so a small grid fills the GPU); ``even``: n_iter rounded up to even when
+    above 1 (a kernel that runs stages in pairs; the extra one reads zeros past K)."""
+    split = max(1, min(steps, ctas_per_sm * sms // tiles))
+    n_iter = triton.cdiv(steps, split)
+    if even and n_iter > 1:
+        n_iter += n_iter % 2
+    return triton.cdiv(steps, n_iter), n_iter
+
+
+def as_int32_pairs(x2: torch.Tensor) -> torch.Tensor:
+    """x2 with unit column stride, an even row stride and a 4-byte aligned start, so that the
+    kernels can read it as int32 pairs of activations."""
+    if x2.stride(1) != 1 or x2.stride(0) % 2:
+        x2 = x2.contiguous()
+    if x2.data_ptr() % 4:
+        x2 = x2.clone()
+    return x2
+
+
 def group_steps(group_size: int, K: int, KB: int, steps: int, kernel: str) -> tuple[int, int]:
     """(k16 steps per quantization group, k16 steps per chunk or stage) for a kernel that
     handles ``steps`` k16 steps at a time: the chunk shrinks to gcd(group, chunk) unless one
@@ -632,10 +657,7 @@ def w4a16_mma_matmul(
     ``qf``/``sz``: pack_mma / pack_mma_scales tensors (padded to 16 x 64), ``sz`` in x's dtype."""
     M, K = x2.shape
     NB, KB = qf.shape[:2]
-    if x2.stride(1) != 1 or x2.stride(0) % 2:
-        x2 = x2.contiguous()
-    if x2.data_ptr() % 4:  # read as int32 pairs
-        x2 = x2.clone()
+    x2 = as_int32_pairs(x2)
     gkb, chunk = group_steps(group_size, K, KB, chunk, "mma")
     tm = 8 if M <= 8 else 16
     split, n_iter = plan(M, NB * 64, KB * 16, x2.device, warps, chunk, ctas_per_sm, tm)

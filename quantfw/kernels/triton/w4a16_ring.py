@@ -17,8 +17,6 @@ weights up to 4096 x 4096 at 4..16 tokens, slower at one token and on larger wei
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -31,11 +29,15 @@ from quantfw.kernels.triton.w4a16_mma import (
     _num_sms,
     _workspace,
     _zeros,
+    as_int32_pairs,
     epilogue,
     group_steps,
     lane_coords,
     load_chunk,
+    split_plan,
 )
+
+plan = split_plan  # (split, n_iter) for a ring grid; each CTA runs a contiguous chunk range
 
 
 @gluon.jit
@@ -143,15 +145,6 @@ def w4a16_ring_kernel(
 # host side
 
 
-@functools.lru_cache(maxsize=4096)
-def plan(chunks: int, tiles: int, sms: int, ctas_per_sm: int) -> tuple[int, int]:
-    """(split, n_iter): the most CTAs per output tile along K that fit in ctas_per_sm * sms
-    (any count), each running a contiguous range of n_iter chunks."""
-    split = max(1, min(chunks, ctas_per_sm * sms // tiles))
-    n_iter = triton.cdiv(chunks, split)
-    return triton.cdiv(chunks, n_iter), n_iter
-
-
 def w4a16_ring_matmul(
     x2: torch.Tensor,
     qf: torch.Tensor,
@@ -173,15 +166,12 @@ def w4a16_ring_matmul(
     NB, KB = qf.shape[:2]
     if stages < 2:
         raise ValueError(f"w4a16 ring kernel: stages = {stages}; supported: 2 or more")
-    if x2.stride(1) != 1 or x2.stride(0) % 2:
-        x2 = x2.contiguous()
-    if x2.data_ptr() % 4:  # read as int32 pairs
-        x2 = x2.clone()
+    x2 = as_int32_pairs(x2)
     gkb, chunk = group_steps(group_size, K, KB, chunk, "ring")
     tm = 8 if M <= 8 else 16
     mt = triton.cdiv(M, tm)
     nbt = triton.cdiv(NB, warps)
-    split, n_iter = plan(triton.cdiv(KB, chunk), nbt * mt, _num_sms(x2.device), ctas_per_sm)
+    split, n_iter = split_plan(triton.cdiv(KB, chunk), nbt * mt, _num_sms(x2.device), ctas_per_sm)
     # k-major view, so that one box holds the W blocks of each k16 step side by side
     w_desc = TensorDescriptor.from_tensor(
         qf.view(NB, KB, 128).permute(1, 0, 2),

@@ -20,8 +20,6 @@ Split-K CTAs meet in the same self-cleaning fp32 workspace as the small-M kernel
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -40,6 +38,7 @@ from quantfw.kernels.triton.w4a16_mma import (
     _workspace,
     deq_word_asm,
     group_steps,
+    split_plan,
 )
 
 # pack = 8: inputs $4..$11 (the word, broadcast), $12..$19 (scale/zero pairs: t = 0 in
@@ -274,15 +273,9 @@ def w4a16_wgmma_kernel(
 # host side
 
 
-@functools.lru_cache(maxsize=4096)
 def _plan(stages: int, tiles: int, sms: int, ctas_per_sm: int) -> tuple[int, int]:
-    """(split, n_iter): the most CTAs per output tile along K that fit in ctas_per_sm * sms
-    (any count, so a small grid fills the GPU), and the stages each one runs."""
-    split = max(1, min(stages, ctas_per_sm * sms // tiles))
-    n_iter = triton.cdiv(stages, split)
-    if n_iter > 1:  # the kernel runs stages in pairs; the extra one reads zeros past K
-        n_iter += n_iter % 2
-    return triton.cdiv(stages, n_iter), n_iter
+    """(split, n_iter); n_iter even when above 1: the kernel runs stages in pairs."""
+    return split_plan(stages, tiles, sms, ctas_per_sm, even=True)
 
 
 def w4a16_wgmma_matmul(

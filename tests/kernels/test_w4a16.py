@@ -426,19 +426,19 @@ def test_gpu_wgmma_split_k_leaves_workspace_clean():
     from quantfw.kernels.triton import w4a16_wgmma as WK
 
     _needs_hopper()
-    packed, ref_w = _gpu_case("awq", 4096, 512, 128, seed=8)
-    for M in (17, 40):
-        for cfg in (("wg", 32, 1, 4, 4, 8), ("wg", 16, 1, 2, 4, 16)):
-            split, _ = WK._plan(
-                4096 // (16 * cfg[3]),
-                8 * -(-M // cfg[1]),
-                MK._num_sms(torch.device("cuda")),
-                cfg[5],
-            )
-            assert split > 1
-            _gpu_check(packed, ref_w, M, torch.float16, seed=M, config=cfg)
-            ws, cnt = MK._WORKSPACE[torch.cuda.current_device()]
-            assert not ws.any() and not cnt.any()
+    packed, ref_w = _gpu_case("awq", 4096, 520, 128, seed=8)
+    small = (("wg", 32, 1, 4, 4, 8), ("wg", 16, 1, 2, 4, 16))
+    # M = 300 with 256-token tiles: a ragged last token tile, 9 blocks (N = 520) in 2-block
+    # CTAs, so the row-major workspace sees masked rows and columns
+    cases = [(M, cfg) for M in (17, 40) for cfg in small] + [(300, ("wg", 256, 2, 4, 4, 1))]
+    for M, cfg in cases:
+        _, bt, nwg, ks, _, cps = cfg
+        tiles = -(-9 // nwg) * -(-M // bt)
+        split, _ = WK._plan(4096 // (16 * ks), tiles, MK._num_sms(torch.device("cuda")), cps)
+        assert split > 1
+        _gpu_check(packed, ref_w, M, torch.float16, seed=M, config=cfg)
+        ws, cnt = MK._WORKSPACE[torch.cuda.current_device()]
+        assert not ws.any() and not cnt.any()
 
 
 RING_CONFIGS = [  # warps (64-column blocks), k16 steps per chunk, ring slots, CTAs/SM

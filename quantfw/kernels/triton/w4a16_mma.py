@@ -356,10 +356,13 @@ def load_chunk(
 def _finish_tile(
     acc, out_ptr, ws_ptr, bias_ptr, m, n, wsi, mask, N, stride_om,
     SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, LAST: gl.constexpr, MASK_N: gl.constexpr = True,
+    SWAP: gl.constexpr = True,
 ):  # fmt: skip
     """Split-K: add into the workspace at ``wsi`` (LAST False), or, in the last CTA, take the
     sums and leave zeros (LAST True); then store (+ bias) in the output dtype.  MASK_N False:
-    every ``n`` is a real column (lets the stores vectorize)."""
+    every ``n`` is a real column (lets the stores vectorize).  SWAP False: the last CTA reads
+    the sums and writes the zeros with plain (vector) accesses instead of an atomic exchange
+    per element; it runs after the acquiring ticket, so every add has landed in L2."""
     if MASK_N:
         mask = mask & (n < N)
     if SPLIT > 1 and not LAST:
@@ -367,8 +370,11 @@ def _finish_tile(
     else:
         if SPLIT == 1:
             v = acc
-        else:
+        elif SWAP:
             v = gl.atomic_xchg(ws_ptr + wsi, gl.zeros_like(acc), mask=mask, sem="relaxed")
+        else:
+            v = gl.load(ws_ptr + wsi, mask=mask, other=0.0, cache_modifier=".cg")
+            gl.store(ws_ptr + wsi, gl.zeros_like(acc), mask=mask)
         if HAS_BIAS:
             v += gl.load(bias_ptr + n, mask=mask, other=0.0).to(gl.float32)
         gl.store(out_ptr + m * stride_om + n, v.to(out_ptr.dtype.element_ty), mask=mask)

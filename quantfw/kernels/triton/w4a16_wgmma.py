@@ -244,9 +244,9 @@ def w4a16_wgmma_kernel(
     v = gl.convert_layout(gl.permute(acc, (1, 0)), OL)
     m = m0 + gl.expand_dims(gl.arange(0, BT, layout=gl.SliceLayout(1, OL)), 1)
     n = nb0 * 64 + gl.expand_dims(gl.arange(0, 16 * NW, layout=gl.SliceLayout(0, OL)), 0)
-    NP = NB * 64
-    # workspace of a token tile: [NP columns, its tokens] (as the small-M kernel's)
-    wsi = m0 * NP + n * gl.minimum(M - m0, BT) + (m - m0)
+    # workspace [M, NB * 64], row-major: a thread's 8 columns are adjacent (the small-M
+    # kernels' [columns, tokens] tiles would make every add of a warp touch its own sector)
+    wsi = m * (NB * 64) + n
     mask = m < M
     if SPLIT > 1:
         _finish_tile(
@@ -260,7 +260,7 @@ def w4a16_wgmma_kernel(
             gl.atomic_xchg(cnt, 0, sem="relaxed")
             _finish_tile(
                 v, out_ptr, ws_ptr, bias_ptr, m, n, wsi, mask, N, stride_om,
-                SPLIT, HAS_BIAS, True, MASK_N,
+                SPLIT, HAS_BIAS, True, MASK_N, SWAP=False,
             )  # fmt: skip
     else:
         _finish_tile(
@@ -299,7 +299,7 @@ def w4a16_wgmma_matmul(
     in flight."""
     M, K = x2.shape
     NB, KB = qf.shape[:2]
-    if nwg not in (1, 2):  # 4 (16 warps): slower and untested since a fix (docs, experiment 19)
+    if nwg not in (1, 2):  # 4 (16 warps): correct, but 1.3x slower (docs, experiment 23)
         raise ValueError(f"w4a16 wgmma kernel: nwg = {nwg}; supported: 1, 2")
     if bt % 8 or not 8 <= bt <= 256:
         raise ValueError(f"w4a16 wgmma kernel: bt = {bt}; supported: multiples of 8 in 8..256")

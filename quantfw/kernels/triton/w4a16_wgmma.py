@@ -15,7 +15,8 @@ mbarrier; each thread reads its ``KS`` words from shared memory, dequantizes the
 s`` in the activation dtype, as the per-element path of the small-M kernel) into the A
 fragment, and one asynchronous ``wgmma`` per stage adds ``A x^T`` while the next stage is
 dequantized (into other registers: stages run in pairs, see ``_stage``).
-Split-K CTAs meet in the same self-cleaning fp32 workspace as the small-M kernel.
+Split-K CTAs meet in the same self-cleaning fp32 workspace buffer as the small-M kernel,
+indexed row-major ``[M, NB * 64]`` so that adds and the last CTA's reads are 16-byte vectors.
 """
 
 from __future__ import annotations

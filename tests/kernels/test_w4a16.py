@@ -441,6 +441,19 @@ def test_gpu_wgmma_split_k_leaves_workspace_clean():
         assert not ws.any() and not cnt.any()
 
 
+@gpu
+def test_gpu_wgmma_rejects_unsupported_tiles():
+    from quantfw.kernels.triton.w4a16_wgmma import w4a16_wgmma_matmul
+
+    _needs_hopper()
+    packed, _ = _gpu_case("awq", 1024, 256, 128, seed=3)
+    x = torch.randn(64, 1024, device="cuda", dtype=torch.float16)
+    sz = packed.scales_zeros_as(x.dtype)
+    for kwargs, what in (({"nwg": 4}, "nwg = 4"), ({"ks": 8}, "ks = 8")):
+        with pytest.raises(ValueError, match=what):
+            w4a16_wgmma_matmul(x, packed.qweight, sz, 256, 128, **kwargs)
+
+
 RING_CONFIGS = [  # warps (64-column blocks), k16 steps per chunk, ring slots, CTAs/SM
     ("ring", 4, 8, 4, 3),
     ("ring", 4, 4, 2, 8),

@@ -302,6 +302,8 @@ def w4a16_wgmma_matmul(
     NB, KB = qf.shape[:2]
     if nwg not in (1, 2):  # 4 (16 warps): correct, but 1.3x slower (docs, experiment 23)
         raise ValueError(f"w4a16 wgmma kernel: nwg = {nwg}; supported: 1, 2")
+    if ks not in (1, 2, 4):  # _a_stage assembles A from at most 4 k16 steps
+        raise ValueError(f"w4a16 wgmma kernel: ks = {ks}; supported: 1, 2, 4")
     if bt % 8 or not 8 <= bt <= 256:
         raise ValueError(f"w4a16 wgmma kernel: bt = {bt}; supported: multiples of 8 in 8..256")
     if K % 8:  # TMA rows must be 16-byte aligned; the packed weights past K are zero rows

@@ -1,0 +1,137 @@
+"""Probes behind experiments 23-25 of docs/kernels-w4a16.md (CUDA only).
+
+  python benchmarks/probe_w4a16.py splits  SHAPES M CONFIG...   # wg configs x forced split-K
+  python benchmarks/probe_w4a16.py configs SHAPES M CONFIG...   # any kernel configs
+  python benchmarks/probe_w4a16.py overhead                     # fixed cost per call, M = 1
+
+SHAPES: comma-separated names from bench_w4a16.SHAPES, or ``all``; CONFIG: a config tuple
+as a Python literal, e.g. '("wg", 256, 2, 4, 4, 1)'.  Times are CUDA-graph replays over
+rotated weight copies (bench_w4a16's timer); every timed config is also checked twice against
+the fp32 reference, so a workspace left dirty by split-K would show as an error.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import bench_w4a16 as B  # noqa: E402
+
+from quantfw.kernels.triton import w4a16_kernels as TK  # noqa: E402
+from quantfw.kernels.triton import w4a16_wgmma as WGM  # noqa: E402
+
+
+def _forced_plan(split: int):
+    def plan(stages, tiles, sms, ctas_per_sm):
+        n_iter = triton.cdiv(stages, split)
+        n_iter += n_iter % 2 if n_iter > 1 else 0
+        return triton.cdiv(stages, n_iter), n_iter
+
+    return plan
+
+
+def _weights(K, N, l2):
+    int4 = K * N // 2 + (K // B.G) * N * 2 + (K // B.G) * N // 2
+    return int4, [B.random_awq(K, N, "cuda") for _ in range(B.n_copies(int4, l2))]
+
+
+def probe_configs(names, M, cfgs, splits):
+    copy_bw, mm_rate = B.measure_ceilings()
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    print(
+        f"{torch.cuda.get_device_name()}: copy {copy_bw / 1e9:.0f} GB/s, mm {mm_rate / 1e12:.0f} TFLOP/s"
+    )
+    planner = WGM._plan
+    for name, K, N in B.SHAPES:
+        if names != ["all"] and name not in names:
+            continue
+        int4, packs = _weights(K, N, l2)
+        fw = [
+            torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02
+            for _ in range(B.n_copies(K * N * 2, l2))
+        ]
+        x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+        floor = max((int4 + M * K * 2 + M * N * 2) / copy_bw, 2 * M * N * K / mm_rate) * 1e6
+        fp16 = B.graph_time([lambda w=w, x=x: torch.nn.functional.linear(x, w) for w in fw], floor)
+        timer = B.rotated_timer(TK, x, packs, floor)
+        ref = x.float() @ B.W.dequantize_packed(packs[0], torch.float32)
+        print(f"{name:22s} M={M} fp16 {fp16:.1f} floor {floor:.1f}", flush=True)
+        for cfg in cfgs:
+            for split in splits:
+                WGM._plan = planner if split is None else _forced_plan(split)
+                try:
+                    t = timer(cfg)
+                    err = max(
+                        ((TK.w4a16_matmul_cuda(x, packs[0], config=cfg).float() - ref).norm()
+                         / ref.norm()).item()
+                        for _ in range(2)
+                    )  # fmt: skip
+                    print(f"    {cfg[1:]} split {split or 'planned'}: {t:.1f} us, err {err:.1e}")
+                except Exception as e:  # a config the compiler rejects
+                    print(f"    {cfg[1:]} split {split or 'planned'}: failed {e!r:.120}")
+                finally:
+                    WGM._plan = planner
+        del packs, fw
+        torch.cuda.empty_cache()
+
+
+@triton.jit
+def _empty(p):
+    pass
+
+
+@triton.jit
+def _read(p, out, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(p + i, mask=i < n, other=0)
+    tl.atomic_add(out + tl.program_id(0) % 64, tl.sum(v, 0))
+
+
+def probe_overhead():
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    sink = torch.zeros(64, device="cuda", dtype=torch.int32)
+    print(f"{torch.cuda.get_device_name()}")
+    print(f"empty kernel, 1 CTA: {B.graph_time([lambda: _empty[(1,)](sink)], 2.0):.2f} us")
+    t = B.graph_time([lambda: _empty[(1056,)](sink, num_warps=4)], 2.0)
+    print(f"empty kernel, 1056 CTAs: {t:.2f} us")
+    for name, K, N in B.SHAPES:
+        if name not in ("qwen3-8b.o", "qwen3-8b.gate_up", "llama3-70b-tp8.o"):
+            continue
+        int4, packs = _weights(K, N, l2)
+        bufs = [
+            torch.randint(0, 100, (int4 // 4,), device="cuda", dtype=torch.int32) for _ in packs
+        ]
+        n = bufs[0].numel()
+        grid = (triton.cdiv(n, 4096),)
+        t_read = B.graph_time(
+            [lambda b=b, g=grid, n=n: _read[g](b, sink, n, BLOCK=4096, num_warps=8) for b in bufs],
+            2.0,
+        )
+        x = torch.randn(1, K, device="cuda", dtype=torch.float16)
+        timer = B.rotated_timer(TK, x, packs, 2.0)
+        best = min((timer(c), c) for c in TK.candidate_configs(1, True))
+        print(
+            f"{name:20s} {int4 / 1e6:6.2f} MB: read-only kernel {t_read:6.2f} us "
+            f"({int4 / t_read / 1e6:.2f} TB/s), ours {best[0]:6.2f} us {best[1]}",
+            flush=True,
+        )
+
+
+def main():
+    if sys.argv[1] == "overhead":
+        return probe_overhead()
+    names, M = sys.argv[2].split(","), int(sys.argv[3])
+    cfgs = [tuple(ast.literal_eval(c)) for c in sys.argv[4:]]
+    splits = [None, 1, 2, 3, 4, 6, 8] if sys.argv[1] == "splits" else [None]
+    probe_configs(names, M, cfgs, splits)
+
+
+if __name__ == "__main__":
+    main()

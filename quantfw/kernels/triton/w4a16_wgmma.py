@@ -300,7 +300,7 @@ def w4a16_wgmma_matmul(
     in flight."""
     M, K = x2.shape
     NB, KB = qf.shape[:2]
-    if nwg not in (1, 2):  # 4 (16 warps): correct, but 1.3x slower (docs, experiment 23)
+    if nwg not in (1, 2):  # 4 (16 warps): correct, 1.2-1.4x slower (docs, experiment 24)
         raise ValueError(f"w4a16 wgmma kernel: nwg = {nwg}; supported: 1, 2")
     if ks not in (1, 2, 4):  # _a_stage assembles A from at most 4 k16 steps
         raise ValueError(f"w4a16 wgmma kernel: ks = {ks}; supported: 1, 2, 4")

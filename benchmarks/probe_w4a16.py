@@ -26,13 +26,14 @@ import bench_w4a16 as B  # noqa: E402
 
 from quantfw.kernels.triton import w4a16_kernels as TK  # noqa: E402
 from quantfw.kernels.triton import w4a16_wgmma as WGM  # noqa: E402
+from quantfw.kernels.triton.w4a16_mma import split_plan  # noqa: E402
 
 
 def _forced_plan(split: int):
+    """The wg planner with ``split`` CTAs per tile along K (one tile per 'SM', one CTA each)."""
+
     def plan(stages, tiles, sms, ctas_per_sm):
-        n_iter = triton.cdiv(stages, split)
-        n_iter += n_iter % 2 if n_iter > 1 else 0
-        return triton.cdiv(stages, n_iter), n_iter
+        return split_plan(stages, 1, split, 1, even=True)
 
     return plan
 

@@ -276,9 +276,10 @@ def test_dispatch_picks_kernels_by_m_shape_and_gpu():
         return default_config(M, N, K, 128, hopper)[0]
 
     assert [kind(M, 4096, 4096, True) for M in (1, 2, 16, 17, 64, 4096)] == (
-        ["mma", "ring", "ring", "wg", "wg", "wg"]
+        ["mma", "mma", "mma", "wg", "wg", "wg"]
     )
-    assert kind(4, 24576, 4096, True) == "mma"  # large weights: the ring kernel lost there
+    for M in (1, 8, 9, 16):  # warps split K inside a CTA (wk > 1) up to 16 tokens
+        assert default_config(M, 4096, 4096, 128, True)[6] > 1
     assert {kind(M, 4096, 4096, False) for M in (1, 4, 16, 64)} == {"mma"}
     assert kind(65, 4096, 4096, False) == "deq"
     for M, hopper in [(1, True), (16, True), (17, True), (300, True), (4, False), (300, False)]:
@@ -376,10 +377,44 @@ def test_gpu_split_k_leaves_workspace_clean(dtype):
             split, _ = MK.plan(M, 512, 4096, torch.device("cuda"), 2, 8, cps, 8 if M <= 8 else 16)
             assert split > 1
             for seed, (pipe, fold) in enumerate([(False, True), (True, True), (False, False)]):
-                cfg = ("mma", 2, 8, cps, pipe, fold)
+                cfg = ("mma", 2, 8, cps, pipe, fold, 1)
                 _gpu_check(packed, ref_w, M, dtype, seed=seed, config=cfg)
             ws, cnt = MK._WORKSPACE[torch.cuda.current_device()]
             assert not ws.any() and not cnt.any()
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_mma_warps_along_k(dtype):
+    """``wk`` warps of a CTA per column block sum different k ranges and meet in shared memory,
+    with and without CTA split-K on top: ragged column tiles (NB not a multiple of warps / wk),
+    K padded to 16 (600) and chunks past the end of K, 8- and 16-token tiles."""
+    from quantfw.kernels.triton import w4a16_mma as MK
+
+    configs = [  # warps, chunk, ctas_per_sm, pipe, fold, wk
+        (4, 8, 4, False, True, 2),
+        (8, 8, 2, True, True, 4),
+        (8, 8, 1, False, False, 8),
+        (16, 4, 1, False, True, 16),
+        (16, 8, 8, False, True, 8),
+    ]
+    splits = set()
+    for fmt, K, N, G in (("awq", 4096, 392, 128), ("gptq_sym", 600, 8256, -1)):
+        packed, ref_w = _gpu_case(fmt, K, N, G, seed=9)
+        for M in (1, 5, 16, 23):
+            for i, (warps, chunk, cps, pipe, fold, wk) in enumerate(configs):
+                tm = 8 if M <= 8 else 16
+                nb, kb = packed.qweight.shape[:2]
+                _, ch = MK.group_steps(packed.group_size, K, kb, chunk, "mma")
+                split, _ = MK.plan(
+                    M, nb * 64, kb * 16, torch.device("cuda"), warps, ch, cps, tm, wk
+                )
+                splits.add(split > 1)
+                cfg = ("mma", warps, chunk, cps, pipe, fold, wk)
+                _gpu_check(packed, ref_w, M, dtype, seed=M + i, config=cfg)
+        ws, cnt = MK._WORKSPACE[torch.cuda.current_device()]
+        assert not ws.any() and not cnt.any()
+    assert splits == {True, False}
 
 
 def _needs_hopper():

@@ -2,10 +2,11 @@
 
 Four paths, chosen per M bucket and shape by a cached config (see tune()):
 
-* ``("mma", warps, chunk, ctas_per_sm, pipe, fold)`` (M <= 64 off Hopper): the Gluon kernel
-  of ``w4a16_mma.py``; weights are dequantized in registers straight into ``mma.sync``
+* ``("mma", warps, chunk, ctas_per_sm, pipe, fold, wk)`` (M <= 64 off Hopper): the Gluon
+  kernel of ``w4a16_mma.py``; weights are dequantized in registers straight into ``mma.sync``
   fragments (``fold``: zero and scale applied once per group on the fp32 sums; ``pipe``: the
-  next chunk prefetched in registers), split-K partials meet in a self-cleaning fp32
+  next chunk prefetched in registers; ``wk`` warps of a CTA per column block, each a k range,
+  summed in shared memory), split-K partials of CTAs meet in a self-cleaning fp32
   workspace inside the one launch.
 * ``("ring", warps, chunk, stages, ctas_per_sm)`` (Hopper, M <= 16: a tuning candidate, and the
   default for 2..16 tokens on weights up to 4096 x 4096): the same math with the weight words
@@ -124,8 +125,10 @@ def _launch(x2, packed, bias, cfg):
     if cfg[0] == "mma":
         from quantfw.kernels.triton.w4a16_mma import w4a16_mma_matmul
 
-        _, warps, chunk, cps, pipe, fold = cfg
-        return w4a16_mma_matmul(x2, packed.qweight, sz, N, G, bias, warps, chunk, cps, pipe, fold)
+        _, warps, chunk, cps, pipe, fold, wk = cfg
+        return w4a16_mma_matmul(
+            x2, packed.qweight, sz, N, G, bias, warps, chunk, cps, pipe, fold, wk
+        )
     if cfg[0] == "ring":
         from quantfw.kernels.triton.w4a16_ring import w4a16_ring_matmul
 

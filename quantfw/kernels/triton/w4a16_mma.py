@@ -384,38 +384,50 @@ def _finish_tile(
 def _finish(
     accs, out_ptr, ws_ptr, bias_ptr, m0, tok, n, M, N, NP, stride_om,
     TM: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, LAST: gl.constexpr,
+    PER_ACC: gl.constexpr,
 ):  # fmt: skip
-    # accs[(TM // 8) j + h]: columns n + 16 j (+ 8 for registers 2, 3), tokens m0 + tok + 8 h.
+    # PER_ACC: accs[(TM // 8) j + h] holds columns n + 16 j, tokens m0 + tok + 8 h; otherwise
+    # accs is one tensor whose n and tok already include j and h.
     # Workspace of a token tile: [NP columns, its tokens], so a warp's adds cover whole sectors
     # (M = 1: consecutive columns; M >= 8: the 8 tokens of a column).
     pitch = gl.minimum(M - m0, TM)
-    for j in gl.static_range(4):
-        for h in gl.static_range(TM // 8):
+    NJ: gl.constexpr = 4 if PER_ACC else 1
+    NH: gl.constexpr = TM // 8 if PER_ACC else 1
+    for j in gl.static_range(NJ):
+        for h in gl.static_range(NH):
             th = tok + 8 * h
             nj = n + 16 * j
             _finish_tile(
-                accs[(TM // 8) * j + h], out_ptr, ws_ptr, bias_ptr, m0 + th, nj,
+                accs[NH * j + h], out_ptr, ws_ptr, bias_ptr, m0 + th, nj,
                 m0 * NP + nj * pitch + th, m0 + th < M, N, stride_om, SPLIT, HAS_BIAS, LAST,
             )  # fmt: skip
 
 
 @gluon.jit
-def lane_coords(
-    M, stride_xm, W: gl.constexpr, TM: gl.constexpr, XS: gl.constexpr, L3: gl.constexpr
-):
-    """Per element (warp, lane l = 4g + c, register) of ``[W, 32, 4]`` in a CTA at grid
-    ``(column tiles of W blocks, token tiles, split)``: its block ``nb``, ``l3``, ``r3``, ``g``,
-    ``c``, and the offsets of its x pair (int32 units, ``x_k`` the pair index within a k16
-    step) and of its scale/zero word in a group."""
-    mt = gl.program_id(1)
+def tile_coords(W: gl.constexpr, WB: gl.constexpr, L3: gl.constexpr):
+    """Per element (warp, lane l = 4g + c, register) of a ``[W, 32, 4]`` tensor in layout
+    ``L3``, in a CTA of the grid ``(column tiles of WB blocks, token tiles, split)``: its
+    block ``nb`` (warp w takes block w % WB), ``l3``, ``r3``, ``g``, ``c`` and the warp index."""
     warp = gl.arange(0, W, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
     lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
     reg = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-    nb = gl.program_id(0) * W + gl.expand_dims(gl.expand_dims(warp, 1), 2)
+    w3 = gl.expand_dims(gl.expand_dims(warp, 1), 2)
+    nb = gl.program_id(0) * WB + w3 % WB
     l3 = gl.expand_dims(gl.expand_dims(lane, 0), 2)
     r3 = gl.expand_dims(gl.expand_dims(reg, 0), 1)
-    g = l3 // 4
-    c = l3 % 4
+    return nb, l3, r3, l3 // 4, l3 % 4, w3
+
+
+@gluon.jit
+def lane_coords(
+    M, stride_xm, W: gl.constexpr, WB: gl.constexpr, TM: gl.constexpr, XS: gl.constexpr,
+    L3: gl.constexpr,
+):  # fmt: skip
+    """``tile_coords`` of the ``[W, 32, 4]`` tensors of a CTA whose warps cover WB column
+    blocks, plus the offsets of each element's x pair (int32 units, ``x_k`` the pair index
+    within a k16 step) and of its scale/zero word in a group."""
+    mt = gl.program_id(1)
+    nb, l3, r3, g, c, w3 = tile_coords(W, WB, L3)
 
     # B fragment (x^T: k pairs x tokens): b0 (pair c, token g), b1 (pair c + 4, token g).
     # TM = 16: registers 2, 3 are tokens g + 8; TM = 8: they are the next k16 step (XS = 2).
@@ -428,7 +440,41 @@ def lane_coords(
         x_k = c + 4 * (r3 % 2) + 8 * (XS - 1) * (r3 // 2)
     x_off = gl.minimum(xm, M - 1) * stride_xm + x_k
     sz_off = nb * 64 + g * 8 + r3
-    return nb, l3, r3, g, c, x_off, x_k, sz_off
+    return nb, l3, r3, g, c, x_off, x_k, sz_off, w3
+
+
+@gluon.jit
+def _sum_k_slices(accs, W: gl.constexpr, WK: gl.constexpr, TM: gl.constexpr, LR: gl.constexpr):
+    """Warps w, w + WB, w + 2 WB, ... (WB = W / WK) summed the same outputs over different k
+    ranges: their sums, ``[NACC, WB, 128]`` (accumulator (TM // 8) j + h, block, 4 lane +
+    register) in ``SliceLayout(1, LR)``.  Each warp writes its accumulators to shared memory
+    (512 contiguous bytes each), then every thread adds the WK partials of its own outputs."""
+    NACC: gl.constexpr = 4 * (TM // 8)
+    buf = gl.allocate_shared_memory(
+        gl.float32, [NACC * W, 32, 4], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
+    )
+    for a in gl.static_range(NACC):
+        buf.slice(a * W, W).store(accs[a])
+    gl.thread_barrier()
+    # warp w = k-slice (w // WB) x WB + block (w % WB): the same bytes as [acc, slice, block, 128]
+    parts = buf._reinterpret(
+        gl.float32, [NACC, WK, W // WK, 128], gl.SwizzledSharedLayout(1, 1, 1, order=[3, 2, 1, 0])
+    ).load(LR)
+    return gl.sum(parts, axis=1)
+
+
+@gluon.jit
+def _reduced_tok_n(WB: gl.constexpr, TM: gl.constexpr, LS: gl.constexpr):
+    """``tok`` and ``n`` (j and h included) of every element of ``_sum_k_slices``'s result."""
+    NACC: gl.constexpr = 4 * (TM // 8)
+    a = gl.arange(0, NACC, layout=gl.SliceLayout(1, gl.SliceLayout(2, LS)))
+    b = gl.arange(0, WB, layout=gl.SliceLayout(0, gl.SliceLayout(2, LS)))
+    e = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, LS)))
+    a3 = gl.expand_dims(gl.expand_dims(a, 1), 2)
+    nb = gl.program_id(0) * WB + gl.expand_dims(gl.expand_dims(b, 0), 2)
+    e3 = gl.expand_dims(gl.expand_dims(e, 0), 1)
+    tok, n = fragment_tok_n(e3 // 4 % 4, e3 // 16, e3 % 4, nb)
+    return tok + 8 * (a3 % (TM // 8)), n + 16 * (a3 // (TM // 8))
 
 
 @gluon.jit
@@ -448,26 +494,33 @@ def w4a16_mma_kernel(
     n_iter,  # chunks per warp
     stride_xm,  # in int32 units
     stride_om,
-    W: gl.constexpr,  # warps per CTA, one 64-column block each
+    W: gl.constexpr,  # warps per CTA
+    WK: gl.constexpr,  # warps per column block (each a different k range; W / WK blocks)
     CH: gl.constexpr,  # k16 steps per chunk
     GKB: gl.constexpr,  # k16 steps per quantization group
     TM: gl.constexpr,  # tokens per CTA tile: 8 (one mma per word) or 16 (two)
     SPLIT: gl.constexpr,  # CTAs per output tile along K
     PIPE: gl.constexpr,  # prefetch the next chunk while computing this one (registers)
     FOLD: gl.constexpr,  # zero and scale applied per group on the fp32 sums (see _fold)
-    MASK_N: gl.constexpr,  # NB is not a multiple of W
+    MASK_N: gl.constexpr,  # NB is not a multiple of W / WK
     MASK_K: gl.constexpr,  # the chunks overrun KB, or K is not a multiple of 16
     HAS_BIAS: gl.constexpr,
     IS_BF16: gl.constexpr,
 ):
     L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [W, 1, 1], [2, 1, 0])
     XS: gl.constexpr = 2 if TM == 8 and CH % 2 == 0 else 1  # k16 steps per x bundle
+    WB: gl.constexpr = W // WK
     mt = gl.program_id(1)
     sp = gl.program_id(2)
 
-    nb, l3, r3, g, c, x_off, x_k, sz_off = lane_coords(M, stride_xm, W, TM, XS, L3)
+    nb, l3, r3, g, c, x_off, x_k, sz_off, w3 = lane_coords(M, stride_xm, W, WB, TM, XS, L3)
     nb_ok = nb < NB
     w_off = nb * (KB * 128) + l3 * 4 + r3
+    # chunk (i SPLIT + sp) WK + w // WB of the K range is the i-th of warp w in CTA sp
+    if WK > 1:
+        kw = (w3 // WB) * CH
+    else:
+        kw = 0
 
     accs = _zeros(4 * (TM // 8), W, L3)
     # FOLD: per-group partial sums of (magic + q) x and per-token sums of x
@@ -475,14 +528,14 @@ def w4a16_mma_kernel(
     xsums = _zeros(TM // 8 if FOLD else 0, W, L3)
     # PIPE: the next chunk's loads are in flight while this one is computed
     wbs, xs, szs = load_chunk(
-        qf_ptr, x_ptr, sz_ptr, sp * CH, w_off, x_off, x_k, sz_off, nb_ok, KB, K2, NB,
+        qf_ptr, x_ptr, sz_ptr, sp * WK * CH + kw, w_off, x_off, x_k, sz_off, nb_ok, KB, K2, NB,
         CH, GKB, XS, MASK_N, MASK_K,
     )  # fmt: skip
     for i in range(n_iter):
         if PIPE:
-            kb_next = ((i + 1) * SPLIT + sp) * CH
+            kb_next = ((i + 1) * SPLIT + sp) * WK * CH + kw
         else:
-            kb_next = (i * SPLIT + sp) * CH
+            kb_next = (i * SPLIT + sp) * WK * CH + kw
         nwbs, nxs, nszs = load_chunk(
             qf_ptr, x_ptr, sz_ptr, kb_next, w_off, x_off, x_k, sz_off, nb_ok, KB, K2, NB,
             CH, GKB, XS, MASK_N or PIPE, MASK_K or PIPE,
@@ -498,27 +551,48 @@ def w4a16_mma_kernel(
         xs = nxs
         szs = nszs
 
-    epilogue(
-        accs, out_ptr, ws_ptr, cnt_ptr, bias_ptr, mt, c, g, r3, nb, M, N, NB, stride_om,
-        TM, SPLIT, HAS_BIAS,
-    )  # fmt: skip
+    if WK > 1:
+        # one thread per output (and WK partials in its registers): lanes along the 128
+        # outputs of an accumulator, warps along accumulators and 32-output quarters
+        WE: gl.constexpr = 4 if W >= 4 else W
+        LR: gl.constexpr = gl.BlockedLayout(
+            [1, WK, 1, 1], [1, 1, 1, 32], [W // WE, 1, 1, WE], [3, 2, 1, 0]
+        )
+        red = _sum_k_slices(accs, W, WK, TM, LR)
+        tok, n = _reduced_tok_n(WB, TM, gl.SliceLayout(1, LR))
+        epilogue(
+            (red,), out_ptr, ws_ptr, cnt_ptr, bias_ptr, mt, tok, n, M, N, NB, stride_om,
+            TM, SPLIT, HAS_BIAS, False,
+        )  # fmt: skip
+    else:
+        tok, n = fragment_tok_n(c, g, r3, nb)
+        epilogue(
+            accs, out_ptr, ws_ptr, cnt_ptr, bias_ptr, mt, tok, n, M, N, NB, stride_om,
+            TM, SPLIT, HAS_BIAS,
+        )  # fmt: skip
+
+
+@gluon.jit
+def fragment_tok_n(c, g, r3, nb):
+    """Token (within the tile) and column of accumulator register r3 of lane 4g + c in the
+    warp of block nb (j = h = 0; see ``_finish``)."""
+    return 2 * c + r3 % 2, nb * 64 + g + 8 * (r3 // 2)
 
 
 @gluon.jit
 def epilogue(
-    accs, out_ptr, ws_ptr, cnt_ptr, bias_ptr, mt, c, g, r3, nb, M, N, NB, stride_om,
-    TM: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
+    accs, out_ptr, ws_ptr, cnt_ptr, bias_ptr, mt, tok, n, M, N, NB, stride_om,
+    TM: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, PER_ACC: gl.constexpr = True,
 ):  # fmt: skip
     """Store the tile of a CTA (grid ``(column tiles, token tiles, SPLIT)``); split-K: add into
-    the workspace, and the last CTA of the tile to arrive stores the sums and leaves zeros."""
+    the workspace, and the last CTA of the tile to arrive stores the sums and leaves zeros.
+    ``tok``/``n``: see ``_finish``."""
     m0 = mt * TM
-    tok = 2 * c + r3 % 2
-    n = nb * 64 + g + 8 * (r3 // 2)
     NP = NB * 64
     if SPLIT > 1:
         _finish(
             accs, out_ptr, ws_ptr, bias_ptr, m0, tok, n, M, N, NP, stride_om,
-            TM, SPLIT, HAS_BIAS, False,
+            TM, SPLIT, HAS_BIAS, False, PER_ACC,
         )  # fmt: skip
         gl.thread_barrier()
         cnt = cnt_ptr + gl.program_id(0) * gl.num_programs(1) + mt
@@ -527,12 +601,12 @@ def epilogue(
             gl.atomic_xchg(cnt, 0, sem="relaxed")
             _finish(
                 accs, out_ptr, ws_ptr, bias_ptr, m0, tok, n, M, N, NP, stride_om,
-                TM, SPLIT, HAS_BIAS, True,
+                TM, SPLIT, HAS_BIAS, True, PER_ACC,
             )  # fmt: skip
     else:
         _finish(
             accs, out_ptr, ws_ptr, bias_ptr, m0, tok, n, M, N, NP, stride_om,
-            TM, SPLIT, HAS_BIAS, True,
+            TM, SPLIT, HAS_BIAS, True, PER_ACC,
         )  # fmt: skip
 
 
@@ -587,17 +661,21 @@ def plan(
     chunk: int = 8,
     ctas_per_sm: int = 4,
     tm: int = 16,
+    wk: int = 1,
 ):
     """(split, n_iter): CTAs per output tile along K, and chunks (of ``chunk`` k16 steps) per warp.
 
-    The fewest chunks per warp that keeps the grid within ``ctas_per_sm`` CTAs per SM."""
-    return _plan(M, N, K, _num_sms(device), warps, chunk, ctas_per_sm, tm)
+    The fewest chunks per warp that keeps the grid within ``ctas_per_sm`` CTAs per SM; a CTA's
+    ``wk`` warps per block take ``wk`` chunks side by side."""
+    return _plan(M, N, K, _num_sms(device), warps, chunk, ctas_per_sm, tm, wk)
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(M: int, N: int, K: int, sms: int, warps: int, chunk: int, ctas_per_sm: int, tm: int):
-    chunks = triton.cdiv(K // 16, chunk)
-    tiles = triton.cdiv(N // 64, warps) * triton.cdiv(M, tm)
+def _plan(
+    M: int, N: int, K: int, sms: int, warps: int, chunk: int, ctas_per_sm: int, tm: int, wk: int
+):
+    chunks = triton.cdiv(triton.cdiv(K // 16, chunk), wk)  # chunks of wk side by side
+    tiles = triton.cdiv(N // 64, warps // wk) * triton.cdiv(M, tm)
     target = ctas_per_sm * sms
     n_iter = 1
     while n_iter < chunks and tiles * triton.cdiv(chunks, n_iter) > target:
@@ -657,26 +735,34 @@ def w4a16_mma_matmul(
     ctas_per_sm: int = 4,
     pipe: bool = False,
     fold: bool = False,
+    wk: int = 1,
 ) -> torch.Tensor:
     """out[M, N] = x2[M, K] @ W (+ bias); x2 fp16/bf16 on CUDA, K even.
 
-    ``qf``/``sz``: pack_mma / pack_mma_scales tensors (padded to 16 x 64), ``sz`` in x's dtype."""
+    ``qf``/``sz``: pack_mma / pack_mma_scales tensors (padded to 16 x 64), ``sz`` in x's dtype.
+    ``warps`` per CTA, ``wk`` of them per 64-column block (each a k range; their sums meet in
+    shared memory), so a CTA covers ``warps / wk`` blocks."""
     M, K = x2.shape
     NB, KB = qf.shape[:2]
     x2 = as_int32_pairs(x2)
     gkb, chunk = group_steps(group_size, K, KB, chunk, "mma")
     tm = 8 if M <= 8 else 16
-    split, n_iter = plan(M, NB * 64, KB * 16, x2.device, warps, chunk, ctas_per_sm, tm)
+    if wk < 1 or warps % wk:
+        raise ValueError(
+            f"w4a16 mma kernel: wk = {wk} warps per column block does not divide warps = {warps}"
+        )
+    wb = warps // wk
+    split, n_iter = plan(M, NB * 64, KB * 16, x2.device, warps, chunk, ctas_per_sm, tm, wk)
     mt = triton.cdiv(M, tm)
     out = torch.empty(M, N, device=x2.device, dtype=x2.dtype)
-    grid = (triton.cdiv(NB, warps), mt, split)
+    grid = (triton.cdiv(NB, wb), mt, split)
     ws, cnt = _workspace(x2.device, mt * tm * NB * 64 if split > 1 else 1, grid[0] * mt)
     has_bias = bias is not None
     w4a16_mma_kernel[grid](
         x2.view(torch.int32), qf, sz, bias if has_bias else out, out, ws, cnt,
         M, N, K // 2, NB, KB, n_iter, x2.stride(0) // 2, out.stride(0),
-        W=warps, CH=chunk, GKB=gkb, TM=tm, SPLIT=split, PIPE=pipe, FOLD=fold,
-        MASK_N=NB % warps != 0, MASK_K=split * n_iter * chunk != KB or K != KB * 16,
+        W=warps, WK=wk, CH=chunk, GKB=gkb, TM=tm, SPLIT=split, PIPE=pipe, FOLD=fold,
+        MASK_N=NB % wb != 0, MASK_K=split * wk * n_iter * chunk != KB or K != KB * 16,
         HAS_BIAS=has_bias, IS_BF16=x2.dtype == torch.bfloat16, num_warps=warps,
     )  # fmt: skip
     return out

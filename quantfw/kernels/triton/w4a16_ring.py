@@ -31,6 +31,7 @@ from quantfw.kernels.triton.w4a16_mma import (
     _zeros,
     as_int32_pairs,
     epilogue,
+    fragment_tok_n,
     group_steps,
     lane_coords,
     load_chunk,
@@ -91,7 +92,7 @@ def w4a16_ring_kernel(
     L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [W, 1, 1], [2, 1, 0])
     XS: gl.constexpr = 2 if TM == 8 and CH % 2 == 0 else 1  # k16 steps per x bundle
     mt = gl.program_id(1)
-    nb, l3, r3, g, c, x_off, x_k, sz_off = lane_coords(M, stride_xm, W, TM, XS, L3)
+    nb, l3, r3, g, c, x_off, x_k, sz_off, _ = lane_coords(M, stride_xm, W, W, TM, XS, L3)
     nb_ok = nb < NB
     nb0 = gl.program_id(0) * W
     kb_first = gl.program_id(2) * n_iter * CH
@@ -135,8 +136,9 @@ def w4a16_ring_kernel(
     for b in gl.static_range(S):
         mbarrier.invalidate(bars.index(b))
 
+    tok, n = fragment_tok_n(c, g, r3, nb)
     epilogue(
-        accs, out_ptr, ws_ptr, cnt_ptr, bias_ptr, mt, c, g, r3, nb, M, N, NB, stride_om,
+        accs, out_ptr, ws_ptr, cnt_ptr, bias_ptr, mt, tok, n, M, N, NB, stride_om,
         TM, SPLIT, HAS_BIAS,
     )  # fmt: skip
 

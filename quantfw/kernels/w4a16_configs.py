@@ -14,8 +14,9 @@ WG_MIN_M = 17  # below this the mma.sync kernel's 8/16-token tiles waste less
 
 
 def default_config(M: int, N: int, K: int, G: int, hopper: bool = False) -> tuple:
-    # M <= 16: the configs with the lowest mean ratio to the best one over the probed H200
-    # rows (docs/kernels-w4a16.md, experiment 26): 1.10x at M = 1 and 4, 1.11x at M = 16
+    # the mma configs with the lowest mean ratio to the best one over the probed H200 rows
+    # (docs/kernels-w4a16.md, experiment 26): 1.10x at M = 1 and 4, 1.11x at M = 16 and
+    # over M = 32 and 64
     if M <= 8:
         return MMA_SMALL[0]
     if M < WG_MIN_M:
@@ -55,15 +56,13 @@ MMA_SMALL = [  # M <= 16: every probed H200 row has one within 3% of its best (e
     ("mma", 8, 4, 4, False, True, 4),
     ("mma", 8, 8, 4, False, True, 4),
 ]
-MMA = [  # M > 16 (not probed with wk > 1)
+MMA = [  # 17..64 tokens (and the first 3 up to 256): the best mean ratios at M = 32 and 64
+    ("mma", 8, 4, 2, False, True, 8),
+    ("mma", 4, 8, 4, False, True, 2),
+    ("mma", 16, 4, 2, False, True, 8),
     ("mma", 2, 8, 8, False, True, 1),
-    ("mma", 4, 8, 4, False, True, 1),
-    ("mma", 4, 8, 8, False, True, 1),
-    ("mma", 8, 8, 4, False, True, 1),
-    ("mma", 4, 4, 8, False, True, 1),
-    ("mma", 4, 8, 4, True, True, 1),
-    ("mma", 2, 8, 8, False, False, 1),
-    ("mma", 4, 8, 4, False, False, 1),
+    ("mma", 8, 8, 2, False, True, 8),
+    ("mma", 4, 8, 8, False, True, 4),
 ]
 
 RING = [  # ("ring", warps (64-column blocks), k16 steps per chunk, stages, ctas_per_sm)

@@ -2,15 +2,15 @@
 
 Four paths, chosen per M bucket and shape by a cached config (see tune()):
 
-* ``("mma", warps, chunk, ctas_per_sm, pipe, fold, wk)`` (M <= 64 off Hopper): the Gluon
-  kernel of ``w4a16_mma.py``; weights are dequantized in registers straight into ``mma.sync``
-  fragments (``fold``: zero and scale applied once per group on the fp32 sums; ``pipe``: the
-  next chunk prefetched in registers; ``wk`` warps of a CTA per column block, each a k range,
-  summed in shared memory), split-K partials of CTAs meet in a self-cleaning fp32
-  workspace inside the one launch.
-* ``("ring", warps, chunk, stages, ctas_per_sm)`` (Hopper, M <= 16: a tuning candidate, and the
-  default for 2..16 tokens on weights up to 4096 x 4096): the same math with the weight words
-  brought in by TMA through a ``stages``-deep shared-memory ring (``w4a16_ring.py``).
+* ``("mma", warps, chunk, ctas_per_sm, pipe, fold, wk)`` (M <= 16, and to 64 off Hopper):
+  the Gluon kernel of ``w4a16_mma.py``; weights are dequantized in registers straight into
+  ``mma.sync`` fragments (``fold``: zero and scale applied once per group on the fp32 sums;
+  ``pipe``: the next chunk prefetched in registers; ``wk`` warps of a CTA per column block,
+  each a k range, summed in shared memory), split-K partials of CTAs meet in a self-cleaning
+  fp32 workspace inside the one launch.
+* ``("ring", warps, chunk, stages, ctas_per_sm)`` (Hopper, M <= 16: a tuning candidate): the
+  same math with the weight words brought in by TMA through a ``stages``-deep shared-memory
+  ring (``w4a16_ring.py``).
 * ``("wg", tokens, warpgroups, ks, stages, ctas_per_sm)`` (M > 16 on Hopper): the
   Gluon kernel of ``w4a16_wgmma.py``; weights dequantized in registers as the A operand of
   ``wgmma``, x tiles brought in by TMA, ``stages`` deep.

@@ -404,7 +404,7 @@ def _finish(
 
 
 @gluon.jit
-def tile_coords(W: gl.constexpr, WB: gl.constexpr, L3: gl.constexpr):
+def _tile_coords(W: gl.constexpr, WB: gl.constexpr, L3: gl.constexpr):
     """Per element (warp, lane l = 4g + c, register) of a ``[W, 32, 4]`` tensor in layout
     ``L3``, in a CTA of the grid ``(column tiles of WB blocks, token tiles, split)``: its
     block ``nb`` (warp w takes block w % WB), ``l3``, ``r3``, ``g``, ``c`` and the warp index."""
@@ -423,11 +423,11 @@ def lane_coords(
     M, stride_xm, W: gl.constexpr, WB: gl.constexpr, TM: gl.constexpr, XS: gl.constexpr,
     L3: gl.constexpr,
 ):  # fmt: skip
-    """``tile_coords`` of the ``[W, 32, 4]`` tensors of a CTA whose warps cover WB column
+    """``_tile_coords`` of the ``[W, 32, 4]`` tensors of a CTA whose warps cover WB column
     blocks, plus the offsets of each element's x pair (int32 units, ``x_k`` the pair index
     within a k16 step) and of its scale/zero word in a group."""
     mt = gl.program_id(1)
-    nb, l3, r3, g, c, w3 = tile_coords(W, WB, L3)
+    nb, l3, r3, g, c, w3 = _tile_coords(W, WB, L3)
 
     # B fragment (x^T: k pairs x tokens): b0 (pair c, token g), b1 (pair c + 4, token g).
     # TM = 16: registers 2, 3 are tokens g + 8; TM = 8: they are the next k16 step (XS = 2).

@@ -551,6 +551,7 @@ def w4a16_mma_kernel(
         xs = nxs
         szs = nszs
 
+    tok, n = fragment_tok_n(c, g, r3, nb)
     if WK > 1:
         # one thread per output (and WK partials in its registers): lanes along the 128
         # outputs of an accumulator, warps along accumulators and 32-output quarters
@@ -558,18 +559,12 @@ def w4a16_mma_kernel(
         LR: gl.constexpr = gl.BlockedLayout(
             [1, WK, 1, 1], [1, 1, 1, 32], [W // WE, 1, 1, WE], [3, 2, 1, 0]
         )
-        red = _sum_k_slices(accs, W, WK, TM, LR)
+        accs = (_sum_k_slices(accs, W, WK, TM, LR),)
         tok, n = _reduced_tok_n(WB, TM, gl.SliceLayout(1, LR))
-        epilogue(
-            (red,), out_ptr, ws_ptr, cnt_ptr, bias_ptr, mt, tok, n, M, N, NB, stride_om,
-            TM, SPLIT, HAS_BIAS, False,
-        )  # fmt: skip
-    else:
-        tok, n = fragment_tok_n(c, g, r3, nb)
-        epilogue(
-            accs, out_ptr, ws_ptr, cnt_ptr, bias_ptr, mt, tok, n, M, N, NB, stride_om,
-            TM, SPLIT, HAS_BIAS,
-        )  # fmt: skip
+    epilogue(
+        accs, out_ptr, ws_ptr, cnt_ptr, bias_ptr, mt, tok, n, M, N, NB, stride_om,
+        TM, SPLIT, HAS_BIAS, WK == 1,
+    )  # fmt: skip
 
 
 @gluon.jit

@@ -6,6 +6,7 @@ Ranks are grouped into tensor-parallel groups of consecutive ranks ([0..tp-1], [
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
@@ -51,7 +52,8 @@ def init_distributed(
     """Initialise torch.distributed from RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT and the TP group.
 
     `tensor_parallel_size` defaults to the world size and must divide it. Safe to call again with
-    the same size; a different size after initialisation is an error.
+    the same size; a different size after initialisation is an error. A process group created
+    here is destroyed at interpreter exit unless ``destroy_distributed`` ran first.
     """
     world = world_size_from_env()
     tp = world if tensor_parallel_size is None else int(tensor_parallel_size)
@@ -76,6 +78,9 @@ def init_distributed(
             torch.cuda.set_device(default_device())
         timeout = datetime.timedelta(seconds=int(os.environ.get("QUANTFW_DIST_TIMEOUT_S", "600")))
         dist.init_process_group(backend=backend, timeout=timeout)
+        # a group left to interpreter teardown can abort the process ("terminate called
+        # without an active exception", seen with gloo under torchrun): destroy it at exit
+        atexit.register(destroy_distributed)
     rank = dist.get_rank()
     group = None
     for start in range(0, world, tp):

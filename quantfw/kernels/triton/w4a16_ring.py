@@ -11,8 +11,10 @@ CTA's ``W`` blocks x ``CH`` k16 steps of words (``W x CH x 512`` bytes, a box of
 loads (from global memory, one chunk ahead in registers) and the split-K epilogue are those of
 the small-M kernel.  Each CTA runs a contiguous range of chunks.
 
-Measured on H200 (docs/kernels-w4a16.md, experiments 21-22): faster than the small-M kernel on
-weights up to 4096 x 4096 at 4..16 tokens, slower at one token and on larger weights.
+Measured on H200 (docs/kernels-w4a16.md): faster than the small-M kernel with one warp per
+column block on weights up to 4096 x 4096 at 4..16 tokens (experiments 21-22), slower than it
+with several warps per block (``wk``) on every probed row (experiment 26), so it is only a
+tuning candidate now.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
   python benchmarks/probe_w4a16.py splits  SHAPES M CONFIG...   # wg configs x forced split-K
   python benchmarks/probe_w4a16.py configs SHAPES M CONFIG...   # any kernel configs
   python benchmarks/probe_w4a16.py overhead                     # fixed cost per call, M = 1
+  python benchmarks/probe_w4a16.py deq     SHAPES M[,M...]      # the deq path, step by step
 
 SHAPES: comma-separated names from bench_w4a16.SHAPES, or ``all``; CONFIG: a config tuple
 as a Python literal, e.g. '("wg", 256, 2, 4, 4, 1)'.  Times are CUDA-graph replays over
@@ -125,9 +126,50 @@ def probe_overhead():
         )
 
 
+def probe_deq(names, Ms):
+    """The ``deq`` path taken apart: cuBLAS on cold weights in both layouts (``F.linear`` on
+    ``[N, K]``, ``mm`` on ``[K, N]``), the dequantization kernel alone, and the whole path."""
+    F = torch.nn.functional
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    print(torch.cuda.get_device_name())
+    for name, K, N in B.SHAPES:
+        if names != ["all"] and name not in names:
+            continue
+        int4, packs = _weights(K, N, l2)
+        w_nk = [
+            torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02
+            for _ in range(B.n_copies(K * N * 2, l2))
+        ]
+        w_kn = [w.t().contiguous() for w in w_nk]
+        for M in Ms:
+            x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+            ref = x.float() @ B.W.dequantize_packed(packs[0], torch.float32)
+            est = 2 * M * N * K / 700e12 * 1e6 + 5
+            row = [
+                f"linear[N,K] {B.graph_time([lambda w=w, x=x: F.linear(x, w) for w in w_nk], est):.1f}",
+                f"mm[K,N] {B.graph_time([lambda w=w, x=x: torch.mm(x, w) for w in w_kn], est):.1f}",
+            ]
+            for cfg in TK.candidate_configs(1024):
+                _, bkb, warps = cfg
+
+                def deq(p, bkb=bkb, warps=warps):
+                    return TK._dequantize(p, torch.float16, bkb, warps)
+
+                t_deq = B.graph_time([lambda p=p, d=deq: d(p) for p in packs], 5.0)
+                t_all = B.rotated_timer(TK, x, packs, est)(cfg)
+                out = TK.w4a16_matmul_cuda(x, packs[0], config=cfg)
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                row.append(f"deq{cfg[1:]} {t_deq:.1f}, +linear {t_all:.1f}, err {err:.0e}")
+            print(f"{name:20s} M={M:5d} " + " | ".join(row), flush=True)
+        del packs, w_nk, w_kn
+        torch.cuda.empty_cache()
+
+
 def main():
     if sys.argv[1] == "overhead":
         return probe_overhead()
+    if sys.argv[1] == "deq":
+        return probe_deq(sys.argv[2].split(","), [int(m) for m in sys.argv[3].split(",")])
     names, M = sys.argv[2].split(","), int(sys.argv[3])
     cfgs = [tuple(ast.literal_eval(c)) for c in sys.argv[4:]]
     splits = [None, 1, 2, 3, 4, 6, 8] if sys.argv[1] == "splits" else [None]

@@ -81,7 +81,7 @@ def _wg_bucket(M: int) -> int:
 def candidate_configs(M: int, hopper: bool = False) -> list[tuple]:
     """The small set tried by tune() for one M bucket (``hopper``: add the ring kernel's
     configs up to 16 tokens, the wgmma kernel's above)."""
-    deq = [("deq", 8, 4), ("deq", 4, 4), ("deq", 16, 8)]
+    deq = [("deq", 8, 4), ("deq", 4, 4)]
     wg = _WG[_wg_bucket(M)] if hopper and M >= WG_MIN_M else []
     if M < WG_MIN_M:
         return MMA_SMALL + RING if hopper else MMA_SMALL

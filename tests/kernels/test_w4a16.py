@@ -355,6 +355,25 @@ def test_gpu_odd_chunk_and_unpadded_k(fmt, K, G):
 
 
 @gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("fmt,K,N,G", [("awq", 640, 392, 128), ("gptq_asym", 600, 200, -1)])
+def test_gpu_dequant_path_ragged(fmt, K, N, G, dtype):
+    """The ``deq`` path's dense ``[N, K]`` weight, element by element against the reference
+    (padded K and N: the stores must stop at the true sizes and write every element), then
+    its matmul with bias for every ``deq`` candidate."""
+    from quantfw.kernels.triton import w4a16_kernels as TK
+
+    packed, ref_w = _gpu_case(fmt, K, N, G, seed=31)
+    want = W.dequantize_packed(packed, torch.float32).t()
+    for cfg in [c for c in TK.candidate_configs(1024) if c[0] == "deq"]:
+        got = TK._dequantize(packed, dtype, cfg[1], cfg[2])
+        assert got.shape == (N, K) and got.dtype == dtype
+        torch.testing.assert_close(got.float(), want, rtol=TOL[dtype], atol=1e-3)
+        for M in (3, 70):
+            _gpu_check(packed, ref_w, M, dtype, seed=M, config=cfg)
+
+
+@gpu
 @pytest.mark.parametrize("M", [1, 2, 4, 16, 64, 300])
 def test_gpu_every_candidate_config(M):
     from quantfw.kernels.triton import w4a16_kernels as TK

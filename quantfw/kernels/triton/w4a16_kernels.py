@@ -15,8 +15,8 @@ Four paths, chosen per M bucket and shape by a cached config (see tune()):
   Gluon kernel of ``w4a16_wgmma.py``; weights dequantized in registers as the A operand of
   ``wgmma``, x tiles brought in by TMA, ``stages`` deep.
 * ``("deq", BLOCK_KB, warps)`` (larger M elsewhere, and a tuning candidate on Hopper):
-  ``_w4a16_dequant_kernel`` writes a transient ``[K, N]`` buffer in the activation dtype
-  (freed after the call; never kept), then cuBLAS.
+  ``_w4a16_dequant_kernel`` writes a transient ``[N, K]`` buffer in the activation dtype
+  (freed after the call; never kept), then cuBLAS through ``F.linear``.
 
 Nothing here synchronizes with the host, so a call is safe under CUDA graph capture once its
 config has been compiled (warm up every M bucket before capturing).
@@ -42,7 +42,7 @@ def _nibble(words, S: tl.constexpr):
 def _w4a16_dequant_kernel(
     qf_ptr,  # int32 [NB, KB, 32, 4] (pack_mma)
     sz_ptr,  # int32 [n_groups, NB, 8, 8] (pack_mma_scales), x's dtype
-    w_ptr,  # out: [K, N] in the activation dtype
+    w_ptr,  # out: [N, K] in the activation dtype (F.linear's weight layout)
     K,
     N,
     KB,
@@ -53,7 +53,9 @@ def _w4a16_dequant_kernel(
     IS_BF16: tl.constexpr,
 ):
     """Dequantize a [16 * BLOCK_KB, 64] tile: coalesced word loads, nibbles put back in [K, N]
-    order with join/permute (Triton routes the final store through shared memory)."""
+    order with join/permute, stored transposed into ``[N, K]`` rows of 16 * BLOCK_KB values
+    (Triton routes the store through shared memory).  ``[N, K]`` because cuBLAS is faster on
+    it than on ``[K, N]`` for some shapes (experiment 27 of docs/kernels-w4a16.md)."""
     nb = tl.program_id(0)
     kb0 = tl.program_id(1) * BLOCK_KB
     kb = kb0 + tl.arange(0, BLOCK_KB)
@@ -96,7 +98,7 @@ def _w4a16_dequant_kernel(
     w = (q.to(tl.float32) + magic - zm) * s
     n = nb * 64 + n
     mask = (k < K)[:, None] & (n < N)[None, :]
-    tl.store(w_ptr + k[:, None] * N + n[None, :], w.to(dt), mask=mask)
+    tl.store(w_ptr + k[:, None] + n[None, :] * K, w.to(dt), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,14 +142,20 @@ def _launch(x2, packed, bias, cfg):
         _, bt, nwg, ks, stages, cps = cfg
         return w4a16_wgmma_matmul(x2, packed.qweight, sz, N, G, bias, bt, nwg, ks, stages, cps)
     _, bkb, warps = cfg
+    return torch.nn.functional.linear(x2, _dequantize(packed, x2.dtype, bkb, warps), bias)
+
+
+def _dequantize(packed, dtype: torch.dtype, bkb: int = 8, warps: int = 4) -> torch.Tensor:
+    """The dense ``[N, K]`` weight (``F.linear``'s layout) of the ``deq`` path, in ``dtype``."""
+    K, N, G = packed.in_features, packed.out_features, packed.group_size
     NB, KB = packed.qweight.shape[:2]
-    w = torch.empty(K, N, device=x2.device, dtype=x2.dtype)
+    w = torch.empty(N, K, device=packed.qweight.device, dtype=dtype)
     _w4a16_dequant_kernel[(NB, triton.cdiv(KB, bkb))](
-        packed.qweight, sz, w, K, N, KB, NB, G,
+        packed.qweight, packed.scales_zeros_as(dtype), w, K, N, KB, NB, G,
         BLOCK_KB=bkb, ONE_GROUP=G >= K or G % (16 * bkb) == 0,
-        IS_BF16=x2.dtype == torch.bfloat16, num_warps=warps,
+        IS_BF16=dtype == torch.bfloat16, num_warps=warps,
     )  # fmt: skip
-    return torch.mm(x2, w) if bias is None else torch.addmm(bias, x2, w)
+    return w
 
 
 def _run(x2, packed, bias, cfg):

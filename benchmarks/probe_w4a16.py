@@ -4,7 +4,6 @@
   python benchmarks/probe_w4a16.py configs SHAPES M CONFIG...   # any kernel configs
   python benchmarks/probe_w4a16.py overhead                     # fixed cost per call, M = 1
   python benchmarks/probe_w4a16.py deq     SHAPES M[,M...]      # the deq path, step by step
-  python benchmarks/probe_w4a16.py prefetch SHAPES M[,M...] PF[,PF...]  # mma L2 prefetch
 
 SHAPES: comma-separated names from bench_w4a16.SHAPES, or ``all``; CONFIG: a config tuple
 as a Python literal, e.g. '("wg", 256, 2, 4, 4, 1)'.  Times are CUDA-graph replays over
@@ -27,7 +26,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 import bench_w4a16 as B  # noqa: E402
 
 from quantfw.kernels.triton import w4a16_kernels as TK  # noqa: E402
-from quantfw.kernels.triton import w4a16_mma as MMA  # noqa: E402
 from quantfw.kernels.triton import w4a16_wgmma as WGM  # noqa: E402
 from quantfw.kernels.triton.w4a16_mma import split_plan  # noqa: E402
 
@@ -167,50 +165,9 @@ def probe_deq(names, Ms):
         torch.cuda.empty_cache()
 
 
-def probe_prefetch(names, Ms, pfs):
-    """Every ``mma`` candidate of the M bucket with the L2 prefetch distance set to each of
-    ``pfs`` (chunks ahead; 0 = off): per config the times, then the best per distance."""
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    print(torch.cuda.get_device_name(), "prefetch distances", pfs)
-    default = MMA.L2_PREFETCH_CHUNKS
-    for name, K, N in B.SHAPES:
-        if names != ["all"] and name not in names:
-            continue
-        int4, packs = _weights(K, N, l2)
-        for M in Ms:
-            x = torch.randn(M, K, device="cuda", dtype=torch.float16)
-            ref = x.float() @ B.W.dequantize_packed(packs[0], torch.float32)
-            timer = B.rotated_timer(TK, x, packs, 5.0)
-            best = {pf: (float("inf"), None) for pf in pfs}
-            for cfg in [c for c in TK.candidate_configs(M) if c[0] == "mma"]:
-                times = []
-                for pf in pfs:
-                    MMA.L2_PREFETCH_CHUNKS = pf
-                    try:
-                        t = timer(cfg)
-                        out = TK.w4a16_matmul_cuda(x, packs[0], config=cfg)
-                        err = ((out.float() - ref).norm() / ref.norm()).item()
-                        assert err < 2e-3, f"{cfg} pf {pf}: rel err {err:.1e}"
-                    finally:
-                        MMA.L2_PREFETCH_CHUNKS = default
-                    times.append(f"{t:5.1f}")
-                    best[pf] = min(best[pf], (t, cfg))
-                print(f"    {name} M={M} {cfg[1:]}: " + " ".join(times), flush=True)
-            print(
-                f"{name:20s} M={M:3d} best: "
-                + " | ".join(f"pf {pf} {t:.1f} {c[1:]}" for pf, (t, c) in best.items()),
-                flush=True,
-            )
-        del packs
-        torch.cuda.empty_cache()
-
-
 def main():
     if sys.argv[1] == "overhead":
         return probe_overhead()
-    if sys.argv[1] == "prefetch":
-        Ms, pfs = ([int(v) for v in a.split(",")] for a in sys.argv[3:5])
-        return probe_prefetch(sys.argv[2].split(","), Ms, pfs)
     if sys.argv[1] == "deq":
         return probe_deq(sys.argv[2].split(","), [int(m) for m in sys.argv[3].split(",")])
     names, M = sys.argv[2].split(","), int(sys.argv[3])

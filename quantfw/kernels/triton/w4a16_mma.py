@@ -48,7 +48,6 @@ from triton.experimental.gluon import language as gl
 
 FP16_MAGIC = 0x64006400  # fp16 1024.0 in both halves: (magic | q) = 1024 + q
 BF16_MAGIC = 0x43004300  # bf16 128.0
-L2_PREFETCH_CHUNKS = 2  # how far ahead each warp prefetches its weights into L2 (0: never)
 
 
 @constexpr_function
@@ -189,13 +188,6 @@ def _mma_constraints(tm: int, ones: bool) -> str:
     return ",".join(["=f"] * n_out + ["r"] * (4 if ones else 8) + ["f"] * n_out)
 
 
-@constexpr_function
-def _prefetch_asm(lines: int) -> str:
-    """``lines`` L2 prefetches, 4 KB apart, from the first address of a 4-element bundle."""
-    pf = " ".join(f"prefetch.global.L2 [$4+{4096 * j}];" for j in range(lines))
-    return pf + " mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;"
-
-
 _DEQ_CONSTRAINTS = "=r,=r,=r,=r," + ",".join(["r"] * 8)
 DEQ_CONSTRAINTS = gl.constexpr(_DEQ_CONSTRAINTS)
 
@@ -258,16 +250,6 @@ def _fold(acc, gacc, xsum, szb, J: gl.constexpr, IS_BF16: gl.constexpr):
     asm: gl.constexpr = _fold_asm(J, IS_BF16)
     return gl.inline_asm_elementwise(
         asm, FOLD_CONSTRAINTS, [acc, gacc, xsum, szb], dtype=gl.float32, is_pure=True, pack=4
-    )
-
-
-@gluon.jit
-def _prefetch_l2(ptrs, CH: gl.constexpr):
-    """Bring the CH * 512 bytes from each thread's ``ptrs`` (lane l: its 128-byte line of the
-    chunk) towards L2; no registers held, so ptxas has no reason to delay it (experiment 27)."""
-    asm: gl.constexpr = _prefetch_asm((CH + 7) // 8)
-    gl.inline_asm_elementwise(
-        asm, "=r,=r,=r,=r,l,l,l,l", [ptrs], dtype=gl.int32, is_pure=False, pack=4
     )
 
 
@@ -524,7 +506,6 @@ def w4a16_mma_kernel(
     MASK_K: gl.constexpr,  # the chunks overrun KB, or K is not a multiple of 16
     HAS_BIAS: gl.constexpr,
     IS_BF16: gl.constexpr,
-    PF: gl.constexpr = 0,  # L2-prefetch each warp's weights PF chunks ahead (0: off)
 ):
     L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [W, 1, 1], [2, 1, 0])
     XS: gl.constexpr = 2 if TM == 8 and CH % 2 == 0 else 1  # k16 steps per x bundle
@@ -550,14 +531,7 @@ def w4a16_mma_kernel(
         qf_ptr, x_ptr, sz_ptr, sp * WK * CH + kw, w_off, x_off, x_k, sz_off, nb_ok, KB, K2, NB,
         CH, GKB, XS, MASK_N, MASK_K,
     )  # fmt: skip
-    if PF > 0:
-        # lane l: bytes 128 l.. of the chunk (and 4 KB further per extra line); clamped into qf
-        pf_base = gl.minimum(nb, NB - 1) * (KB * 128) + l3 * 32 + 0 * r3
-        pf_last = NB * KB * 128 - 32 - 1024 * ((CH + 7) // 8 - 1)
     for i in range(n_iter):
-        if PF > 0:
-            kb_pf = gl.minimum(((i + PF) * SPLIT + sp) * WK * CH + kw, KB - 1)
-            _prefetch_l2(qf_ptr + gl.minimum(pf_base + kb_pf * 128, pf_last), CH)
         if PIPE:
             kb_next = ((i + 1) * SPLIT + sp) * WK * CH + kw
         else:
@@ -784,7 +758,6 @@ def w4a16_mma_matmul(
         M, N, K // 2, NB, KB, n_iter, x2.stride(0) // 2, out.stride(0),
         W=warps, WK=wk, CH=chunk, GKB=gkb, TM=tm, SPLIT=split, PIPE=pipe, FOLD=fold,
         MASK_N=NB % wb != 0, MASK_K=split * wk * n_iter * chunk != KB or K != KB * 16,
-        HAS_BIAS=has_bias, IS_BF16=x2.dtype == torch.bfloat16, PF=L2_PREFETCH_CHUNKS,
-        num_warps=warps,
+        HAS_BIAS=has_bias, IS_BF16=x2.dtype == torch.bfloat16, num_warps=warps,
     )  # fmt: skip
     return out

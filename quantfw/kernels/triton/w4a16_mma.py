@@ -47,7 +47,6 @@ from triton.experimental.gluon import constexpr_function
 from triton.experimental.gluon import language as gl
 
 FP16_MAGIC = 0x64006400  # fp16 1024.0 in both halves: (magic | q) = 1024 + q
-FP16_MAGIC_HI = 0x54005400  # fp16 64.0: (magic | q << 4) = 64 + q
 BF16_MAGIC = 0x43004300  # bf16 128.0
 
 
@@ -104,92 +103,63 @@ def deq_word_asm(word: int, sz0: int, sz1: int, is_bf16: bool) -> str:
 
 @constexpr_function
 def _deq_raw_asm(j: int, is_bf16: bool) -> str:
-    """PTX for word ``j`` of the weight bundle ($4..$7): outputs $0..$3 = ``offset + q`` pairs
-    (exact); zero and scale are applied later per group (``_fold_asm``).
-
-    bf16: ``128 + q`` in every register (3 shifts, 4 ``lop3``).  fp16: registers p = 0, 2
-    (k 2c) hold ``1024 + q``, registers p = 1, 3 (k 2c + 8) hold ``64 + q``: their nibble is
-    taken in place (mask ``0x00F000F0``, bits 4..7 under fp16 64.0, whose mantissa step is
-    1/16), so one shift by 8 does instead of three by 4 (experiment 27)."""
-    if is_bf16:
-        m = BF16_MAGIC
-        return (
-            f"{{ .reg .b32 q; mov.b32 q, ${4 + j};\n"
-            f"lop3.b32 $0, q, 0x000f000f, {m:#x}, 0xea; shr.u32 q, q, 4;\n"
-            f"lop3.b32 $1, q, 0x000f000f, {m:#x}, 0xea; shr.u32 q, q, 4;\n"
-            f"lop3.b32 $2, q, 0x000f000f, {m:#x}, 0xea; shr.u32 q, q, 4;\n"
-            f"lop3.b32 $3, q, 0x000f000f, {m:#x}, 0xea; }}"
-        )
-    lo, hi = FP16_MAGIC, FP16_MAGIC_HI
+    """PTX for word ``j`` of the weight bundle ($4..$7): outputs $0..$3 = ``magic + q`` pairs
+    (fp16 1024 + q / bf16 128 + q, exact); zero and scale are applied later per group."""
+    magic = BF16_MAGIC if is_bf16 else FP16_MAGIC
     return (
         f"{{ .reg .b32 q; mov.b32 q, ${4 + j};\n"
-        f"lop3.b32 $0, q, 0x000f000f, {lo:#x}, 0xea; lop3.b32 $1, q, 0x00f000f0, {hi:#x}, 0xea;\n"
-        f"shr.u32 q, q, 8;\n"
-        f"lop3.b32 $2, q, 0x000f000f, {lo:#x}, 0xea; lop3.b32 $3, q, 0x00f000f0, {hi:#x}, 0xea; }}"
+        f"lop3.b32 $0, q, 0x000f000f, {magic:#x}, 0xea; shr.u32 q, q, 4;\n"
+        f"lop3.b32 $1, q, 0x000f000f, {magic:#x}, 0xea; shr.u32 q, q, 4;\n"
+        f"lop3.b32 $2, q, 0x000f000f, {magic:#x}, 0xea; shr.u32 q, q, 4;\n"
+        f"lop3.b32 $3, q, 0x000f000f, {magic:#x}, 0xea; }}"
     )
 
 
 @constexpr_function
 def _xsum_asm(tm: int, step: int, is_bf16: bool) -> str:
-    """Per-token sums of x over a k16 step by an mma with a constant A (operands as in
-    ``_mma_asm``).  bf16: A = 1, so every output row holds the sum of token 2c (c0, c2) and
-    2c + 1 (c1, c3).  fp16: rows g (c0, c1) hold the sums of x, rows g + 8 (c2, c3) the sums
-    of 960 x over k 2c + 8.. only (A = 0 / 960), the correction for the ``64 + q`` registers
-    of ``_deq_raw_asm``: 1024 - 64 = 960."""
+    """Per-token sums of x over a k16 step, by an mma with an all-ones A: every output row holds
+    the sum of token 2c (c0, c2) and 2c + 1 (c1, c3).  Operands as in ``_mma_asm`` with A = 1."""
     t = "bf16" if is_bf16 else "f16"
+    one = 0x3F803F80 if is_bf16 else 0x3C003C00
     op = f"mma.sync.aligned.m16n8k16.row.col.f32.{t}.{t}.f32"
-    if is_bf16:
-        head = "{ .reg .b32 one; mov.b32 one, 0x3f803f80;\n"
-        a = "{one, one, one, one}"
-    else:
-        head = (
-            "{ .reg .b32 one, hi, nil;\n"
-            "mov.b32 one, 0x3c003c00; mov.b32 hi, 0x63806380; mov.b32 nil, 0;\n"
-        )
-        a = "{one, nil, one, hi}"  # (a0, a1, a2, a3) = (row g k lo, row g+8 k lo, g hi, g+8 hi)
+    head = f"{{ .reg .b32 one; mov.b32 one, {one:#x};\n"
     if tm == 8:
         b = 4 + 2 * step
-        return head + f"{op} {{$0, $1, $2, $3}}, {a}, {{${b}, ${b + 1}}}, {{$8, $9, $10, $11}}; }}"
+        return (
+            head
+            + f"{op} {{$0, $1, $2, $3}}, {{one, one, one, one}}, {{${b}, ${b + 1}}}, {{$8, $9, $10, $11}}; }}"
+        )
     return head + (
-        f"{op} {{$0, $1, $2, $3}}, {a}, {{$8, $9}}, {{$12, $13, $14, $15}};\n"
-        f"{op} {{$4, $5, $6, $7}}, {a}, {{$10, $11}}, {{$16, $17, $18, $19}}; }}"
+        f"{op} {{$0, $1, $2, $3}}, {{one, one, one, one}}, {{$8, $9}}, {{$12, $13, $14, $15}};\n"
+        f"{op} {{$4, $5, $6, $7}}, {{one, one, one, one}}, {{$10, $11}}, {{$16, $17, $18, $19}}; }}"
     )
 
 
 @constexpr_function
 def _fold_asm(j: int, is_bf16: bool) -> str:
-    """acc += s * (gacc - (magic + z) * xsum [+ 960 x_hi]) for word ``j``'s columns g (c0, c1),
-    g + 8 (c2, c3); the bracket is fp16's correction for its ``64 + q`` registers.
+    """acc += s * (gacc - (magic + z) * xsum) for word ``j``'s columns g (c0, c1), g + 8 (c2, c3).
 
-    $0..$3 out, $4..$7 acc, $8..$11 group partial sums of (offset + q) x, $12..$15 the
-    ``_xsum_asm`` sums, $16..$19 the scale/zero bundle (word 2 (j % 2) + t: scale low half,
-    magic + z high half)."""
+    $0..$3 out, $4..$7 acc, $8..$11 group partial sums of (magic + q) x, $12..$15 x sums,
+    $16..$19 the scale/zero bundle (word 2 (j % 2) + t: scale low half, magic + z high half)."""
     sz0 = 16 + 2 * (j % 2)
-    if is_bf16:  # bf16 -> fp32 is a 16-bit shift; xsum: token 2c in $12, $14, 2c + 1 in $13, $15
+    if is_bf16:  # bf16 -> fp32 is a 16-bit shift
         unpack = (
             f"shl.b32 s0, ${sz0}, 16; and.b32 z0, ${sz0}, 0xffff0000;\n"
             f"shl.b32 s1, ${sz0 + 1}, 16; and.b32 z1, ${sz0 + 1}, 0xffff0000;\n"
         )
-        xs, hi = ("$12", "$13", "$14", "$15"), ()
-    else:  # xsum: sums of token 2c, 2c + 1 in $12, $13; their corrections in $14, $15
+    else:
         unpack = (
             f"mov.b32 {{lo, hi}}, ${sz0}; cvt.f32.f16 s0, lo; cvt.f32.f16 z0, hi;\n"
             f"mov.b32 {{lo, hi}}, ${sz0 + 1}; cvt.f32.f16 s1, lo; cvt.f32.f16 z1, hi;\n"
         )
-        xs, hi = ("$12", "$13", "$12", "$13"), ("$14", "$15", "$14", "$15")
-    body = ""
-    for r in range(4):
-        z, sc = ("z0", "s0") if r < 2 else ("z1", "s1")
-        body += f"fma.rn.f32 t, {z}, {xs[r]}, ${8 + r}; "
-        if hi:
-            body += f"add.f32 t, t, {hi[r]}; "
-        body += f"fma.rn.f32 ${r}, {sc}, t, ${4 + r};\n"
     return (
         "{ .reg .b32 s0, z0, s1, z1, t; .reg .b16 lo, hi;\n"
         + unpack
         + "xor.b32 z0, z0, 0x80000000; xor.b32 z1, z1, 0x80000000;\n"
-        + body
-        + "}"
+        "fma.rn.f32 t, z0, $12, $8; fma.rn.f32 $0, s0, t, $4;\n"
+        "fma.rn.f32 t, z0, $13, $9; fma.rn.f32 $1, s0, t, $5;\n"
+        "fma.rn.f32 t, z1, $14, $10; fma.rn.f32 $2, s1, t, $6;\n"
+        "fma.rn.f32 t, z1, $15, $11; fma.rn.f32 $3, s1, t, $7; }"
     )
 
 

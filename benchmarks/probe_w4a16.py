@@ -44,6 +44,18 @@ def _weights(K, N, l2):
     return int4, [B.random_awq(K, N, "cuda") for _ in range(B.n_copies(int4, l2))]
 
 
+def _fp16_weights(K, N, l2):
+    """Enough random fp16 ``[N, K]`` copies to rotate past L2."""
+    return [
+        torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02
+        for _ in range(B.n_copies(K * N * 2, l2))
+    ]
+
+
+def _shapes(names):
+    return [(n, K, N) for n, K, N in B.SHAPES if names == ["all"] or n in names]
+
+
 def probe_configs(names, M, cfgs, splits):
     copy_bw, mm_rate = B.measure_ceilings()
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
@@ -51,14 +63,9 @@ def probe_configs(names, M, cfgs, splits):
         f"{torch.cuda.get_device_name()}: copy {copy_bw / 1e9:.0f} GB/s, mm {mm_rate / 1e12:.0f} TFLOP/s"
     )
     planner = WGM._plan
-    for name, K, N in B.SHAPES:
-        if names != ["all"] and name not in names:
-            continue
+    for name, K, N in _shapes(names):
         int4, packs = _weights(K, N, l2)
-        fw = [
-            torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02
-            for _ in range(B.n_copies(K * N * 2, l2))
-        ]
+        fw = _fp16_weights(K, N, l2)
         x = torch.randn(M, K, device="cuda", dtype=torch.float16)
         floor = max((int4 + M * K * 2 + M * N * 2) / copy_bw, 2 * M * N * K / mm_rate) * 1e6
         fp16 = B.graph_time([lambda w=w, x=x: torch.nn.functional.linear(x, w) for w in fw], floor)
@@ -132,14 +139,9 @@ def probe_deq(names, Ms):
     F = torch.nn.functional
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     print(torch.cuda.get_device_name())
-    for name, K, N in B.SHAPES:
-        if names != ["all"] and name not in names:
-            continue
+    for name, K, N in _shapes(names):
         int4, packs = _weights(K, N, l2)
-        w_nk = [
-            torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02
-            for _ in range(B.n_copies(K * N * 2, l2))
-        ]
+        w_nk = _fp16_weights(K, N, l2)
         w_kn = [w.t().contiguous() for w in w_nk]
         for M in Ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.float16)

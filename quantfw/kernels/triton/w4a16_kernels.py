@@ -121,7 +121,9 @@ def _fallback(x2, packed, bias):
 
 
 def _launch(x2, packed, bias, cfg):
-    M, K = x2.shape
+    if cfg[0] == "deq":
+        _, bkb, warps = cfg
+        return torch.nn.functional.linear(x2, _dequantize(packed, x2.dtype, bkb, warps), bias)
     N, G = packed.out_features, packed.group_size
     sz = packed.scales_zeros_as(x2.dtype)
     if cfg[0] == "mma":
@@ -141,8 +143,7 @@ def _launch(x2, packed, bias, cfg):
 
         _, bt, nwg, ks, stages, cps = cfg
         return w4a16_wgmma_matmul(x2, packed.qweight, sz, N, G, bias, bt, nwg, ks, stages, cps)
-    _, bkb, warps = cfg
-    return torch.nn.functional.linear(x2, _dequantize(packed, x2.dtype, bkb, warps), bias)
+    raise ValueError(f"w4a16: unknown kernel config {cfg!r}; kinds: mma, ring, wg, deq")
 
 
 def _dequantize(packed, dtype: torch.dtype, bkb: int = 8, warps: int = 4) -> torch.Tensor:

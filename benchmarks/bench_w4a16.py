@@ -8,7 +8,10 @@ One run measures, on the GPU at hand:
     group 128), and floor = max(int4 bytes / copy bandwidth, flops / bf16 rate).
 Each method is timed as CUDA-graph replays of many calls that rotate over enough weight copies
 that L2 cannot hold them (launch overhead excluded for every method alike); median of replays.
-Our configs are tuned per (M bucket, shape) first (warm-up), then timed.
+Our configs are tuned per (M bucket, shape) first (warm-up), then timed; next to them, the
+config a call gets without tuning (this GPU's shipped table, and the heuristic default), and a
+kernel that only reads the int4 weight.  ``--configs-out DIR`` writes the tuned configs as
+this GPU's table (quantfw/kernels/w4a16_tables.py).
 
 Writes <out>/w4a16-<gpu>-<date>.json, .md and .png.  Not a test: run on a GPU machine, e.g.
 ``python benchmarks/bench_w4a16.py --out benchmarks/results``.
@@ -21,7 +24,6 @@ import datetime as dt
 import json
 import math
 import os
-import statistics
 import sys
 import time
 
@@ -30,7 +32,21 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from quantfw.kernels import w4a16 as W  # noqa: E402
+from quantfw.kernels import w4a16_tables as T  # noqa: E402
+from quantfw.kernels.triton import w4a16_kernels as TK  # noqa: E402
+from quantfw.kernels.triton.w4a16_tuning import (  # noqa: E402
+    events_median,
+    graph_time,
+    n_copies,
+    packed_bytes,
+    random_awq,
+    rotated_timer,
+)
+from quantfw.kernels.w4a16_configs import default_config  # noqa: E402
 
 SHAPES = [  # name, K (in), N (out)
     ("qwen3-8b.qkv", 4096, 6144),
@@ -46,88 +62,47 @@ MS = [1, 4, 16, 64, 256, 1024, 4096]
 G = 128
 
 
-def _events_median(fn, iters=7):
-    start = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    end = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    fn()
-    torch.cuda.synchronize()
-    for i in range(iters):
-        start[i].record()
-        fn()
-        end[i].record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(start, end)) * 1e3  # us
-
-
 def measure_ceilings():
     n = 1 << 29  # 1 GiB of bf16... 512 Mi elements * 2 B
     a = torch.empty(n, dtype=torch.bfloat16, device="cuda").uniform_()
     b = torch.empty_like(a)
-    t_us = _events_median(lambda: b.copy_(a), iters=10)
+    t_us = events_median(lambda: b.copy_(a), iters=10)
     copy_bw = 2 * a.numel() * 2 / (t_us * 1e-6)
     a = b = None
     x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     y = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    t_us = _events_median(lambda: x @ y, iters=10)
+    t_us = events_median(lambda: x @ y, iters=10)
     mm_rate = 2 * 8192**3 / (t_us * 1e-6)
     x = y = None
     torch.cuda.empty_cache()
     return copy_bw, mm_rate
 
 
-def graph_time(calls, est_us):
-    """Median time of one call (us): CUDA graph of `reps` calls rotating over `calls`."""
-    n = len(calls)
-    reps = n * max(1, math.ceil(400.0 / max(est_us, 1.0) / n))
-    reps = min(reps, max(n, 2000))
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(reps):
-            calls[i % n]()
-    t = _events_median(g.replay, iters=7)
-    del g
-    return t / reps
+@triton.jit
+def _read_only(p, sink, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(p + i, mask=i < n, other=0)
+    tl.atomic_add(sink + tl.program_id(0) % 64, tl.sum(v, 0))
 
 
-def rotated_timer(TK, x, packs, est_us):
-    """tune()'s timer: one config's time per call over the rotated weight copies."""
-
-    def time_config(cfg):
-        return graph_time(
-            [lambda p=p: TK.w4a16_matmul_cuda(x, p, config=cfg) for p in packs], est_us
-        )
-
-    return time_config
-
-
-def random_awq(K, N, device):
-    ng = K // G
-    qw = torch.randint(-(2**31), 2**31 - 1, (K, N // 8), dtype=torch.int32, device=device)
-    qz = torch.randint(-(2**31), 2**31 - 1, (ng, N // 8), dtype=torch.int32, device=device)
-    sc = (torch.rand(ng, N, device=device) * 0.01 + 0.001).half()
-    return W.repack_awq(qw, qz, sc, G)
-
-
-def n_copies(nbytes, l2):
-    return max(2, min(64, math.ceil(3 * l2 / nbytes)))
+def plain_read_us(nbytes, copies, est_us):
+    """A kernel that only reads ``nbytes`` (8 warps x 16 KB per CTA, one atomic per CTA),
+    timed like the matmuls: what reading the int4 weight alone costs at small M."""
+    sink = torch.zeros(64, device="cuda", dtype=torch.int32)
+    bufs = [torch.randint(0, 100, (nbytes // 4,), device="cuda", dtype=torch.int32)]
+    bufs += [torch.randint_like(bufs[0], 0, 100) for _ in range(copies - 1)]
+    n = bufs[0].numel()
+    grid = (triton.cdiv(n, 4096),)
+    return graph_time(
+        [lambda b=b: _read_only[grid](b, sink, n, BLOCK=4096, num_warps=8) for b in bufs], est_us
+    )
 
 
 def bench_shape(name, K, N, ms, copy_bw, mm_rate, l2, log):
-    from quantfw.kernels.triton import w4a16_kernels as TK
-
     dev = "cuda"
     rows = []
-    int4_bytes = K * N // 2 + (K // G) * N * 2 + (K // G) * N // 2
-    packs = [random_awq(K, N, dev) for _ in range(n_copies(int4_bytes, l2))]
+    int4_bytes = packed_bytes(K, N, G)
+    packs = [random_awq(K, N, G, dev) for _ in range(n_copies(int4_bytes, l2))]
     fp16_ws = [
         torch.randn(N, K, device=dev, dtype=torch.float16) * 0.02
         for _ in range(n_copies(K * N * 2, l2))
@@ -152,15 +127,24 @@ def bench_shape(name, K, N, ms, copy_bw, mm_rate, l2, log):
         log(f"  {name} M={m} rel err vs fp32 reference: {err:.2e}")
         rows.append({"shape": name, "check_M": m, "rel_err_fp16": err})
     del wref
+    read_us = plain_read_us(int4_bytes, len(packs), int4_bytes / copy_bw * 1e6)
+    log(f"  {name} read-only kernel over the {int4_bytes / 1e6:.2f} MB weight: {read_us:.2f} us")
+    device_name = torch.cuda.get_device_name()
     for M in ms:
         x = torch.randn(M, K, device=dev, dtype=torch.float16)
         xb = x.to(torch.bfloat16)
         bytes_min = int4_bytes + M * K * 2 + M * N * 2
         floor_us = max(bytes_min / copy_bw, 2 * M * N * K / mm_rate) * 1e6
+        timer = rotated_timer(x, packs, floor_us)
         t0 = time.time()
-        cfg = TK.tune(x, packs[0], bench=rotated_timer(TK, x, packs, floor_us))
+        cfg = TK.tune(x, packs[0], bench=timer)
         tune_s = time.time() - t0
         ours = graph_time([lambda p=p, x=x: W.w4a16_matmul(x, p) for p in packs], floor_us)
+        # what a call gets without tune(): the shipped table's entry, else the heuristic
+        shipped_cfg = T.find_config(device_name, M, N, K, G)
+        heuristic_cfg = default_config(M, N, K, G, TK._is_hopper(x))
+        shipped = None if shipped_cfg is None else timer(shipped_cfg)
+        heuristic = timer(heuristic_cfg)
         fp16 = graph_time([lambda w=w, x=x: F.linear(x, w) for w in fp16_ws], floor_us)
         tiny = None
         if tg:
@@ -186,18 +170,25 @@ def bench_shape(name, K, N, ms, copy_bw, mm_rate, l2, log):
             "tinygemm_bf16_us": tiny,
             "ours_fp16_us": ours,
             "floor_us": floor_us,
+            "plain_read_us": read_us,
             "ours_over_floor": ours / floor_us,
             "ours_over_fp16": ours / fp16,
             "fp16_over_ours": fp16 / ours,
             "config": list(cfg) if cfg else None,
             "tune_s": tune_s,
+            "shipped_config": list(shipped_cfg) if shipped_cfg else None,
+            "ours_shipped_us": shipped,
+            "heuristic_config": list(heuristic_cfg),
+            "ours_heuristic_us": heuristic,
         }
         rows.append(row)
         tiny_s = f"{tiny:9.1f}" if tiny else "      n/a"
+        shipped_s = f"{shipped:7.1f}" if shipped else "    n/a"
         log(
             f"  {name:24s} M={M:5d} fp16 {fp16:9.1f}  tinygemm {tiny_s}  ours {ours:9.1f}"
             f"  floor {floor_us:8.1f}  ours/floor {ours / floor_us:5.2f}  ours/fp16 "
-            f"{ours / fp16:5.2f}  cfg {cfg}"
+            f"{ours / fp16:5.2f}  cfg {cfg}  shipped {shipped_s}  heuristic {heuristic:7.1f}"
+            f" {heuristic_cfg}"
         )
     del packs, fp16_ws, tg
     torch.cuda.empty_cache()
@@ -208,7 +199,7 @@ def bf16_extra(log):
     """Ours with bf16 activations next to fp16 (gate_up shape): time and error."""
     out = []
     K, N = 4096, 24576
-    packs = [random_awq(K, N, "cuda") for _ in range(3)]
+    packs = [random_awq(K, N, G, "cuda") for _ in range(3)]
     wref = W.dequantize_packed(packs[0], torch.float32)
     for M in (1, 16, 1024):
         res = {}
@@ -226,8 +217,13 @@ def bf16_extra(log):
     return out
 
 
+def _geomean(xs):
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
 def summarize(rows):
-    qwen = [r for r in rows if "M" in r and r["shape"].startswith("qwen3")]
+    perf = [r for r in rows if "M" in r]
+    qwen = [r for r in perf if r["shape"].startswith("qwen3")]
     lines = []
     small = [r for r in qwen if r["M"] in (1, 16)]
     ok_small = [r for r in small if r["ours_over_floor"] <= 1.33]
@@ -235,21 +231,40 @@ def summarize(rows):
         f"M in (1, 16), Qwen3-8B: {len(ok_small)}/{len(small)} within 1.33x floor; worst "
         f"{max(r['ours_over_floor'] for r in small):.2f}x"
     )
-    big = [r for r in rows if "M" in r and r["M"] >= 1024]
+    lines.append(
+        "M in (1, 16), Qwen3-8B, a kernel that only reads the int4 weight: "
+        + ", ".join(
+            f"{r['shape'].split('.')[-1]} {r['plain_read_us'] / r['floor_us']:.2f}x floor"
+            for r in small
+            if r["M"] == 1
+        )
+        + f"; ours / that read {min(r['ours_fp16_us'] / r['plain_read_us'] for r in small):.2f}x"
+        f"..{max(r['ours_fp16_us'] / r['plain_read_us'] for r in small):.2f}x"
+    )
+    big = [r for r in perf if r["M"] >= 1024]
     ok_big = [r for r in big if r["ours_over_fp16"] <= 1.15]
     lines.append(
         f"M >= 1024: {len(ok_big)}/{len(big)} within 1.15x fp16; worst "
         f"{max((r['ours_over_fp16'] for r in big), default=float('nan')):.2f}x"
     )
-    mid = [r for r in rows if "M" in r]
     bad = [
         r
-        for r in mid
+        for r in perf
         if r["ours_fp16_us"] > r["fp16_cublas_us"]
         and r["tinygemm_bf16_us"] is not None
         and r["ours_fp16_us"] > r["tinygemm_bf16_us"]
     ]
     lines.append(f"shapes slower than both fp16 and tinygemm: {len(bad)}")
+    for key, what in (
+        ("ours_shipped_us", "the shipped config table (no tune() call)"),
+        ("ours_heuristic_us", "the heuristic default (shapes no table lists)"),
+    ):
+        ratios = [r[key] / r["ours_fp16_us"] for r in perf if r.get(key)]
+        if ratios:
+            lines.append(
+                f"{what} / tuned in this run: geomean {_geomean(ratios):.2f}x, worst "
+                f"{max(ratios):.2f}x over {len(ratios)} rows"
+            )
     return lines
 
 
@@ -269,15 +284,26 @@ def write_outputs(out_dir, meta, rows, extra, summary):
         )
         f.write(
             "| shape | M | fp16 cuBLAS | tinygemm (bf16) | ours (fp16) | floor | ours/floor "
-            "| ours/fp16 |\n|---|---|---|---|---|---|---|---|\n"
+            "| ours/fp16 | read-only kernel | shipped table | heuristic |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|\n"
         )
         for r in perf:
-            tiny = f"{r['tinygemm_bf16_us']:.1f}" if r["tinygemm_bf16_us"] else "n/a"
+            cells = [
+                f"{r[k]:.1f}" if r.get(k) else "n/a"
+                for k in ("tinygemm_bf16_us", "plain_read_us", "ours_shipped_us")
+            ]
             f.write(
-                f"| {r['shape']} | {r['M']} | {r['fp16_cublas_us']:.1f} | {tiny} | "
+                f"| {r['shape']} | {r['M']} | {r['fp16_cublas_us']:.1f} | {cells[0]} | "
                 f"{r['ours_fp16_us']:.1f} | {r['floor_us']:.1f} | {r['ours_over_floor']:.2f} | "
-                f"{r['ours_over_fp16']:.2f} |\n"
+                f"{r['ours_over_fp16']:.2f} | {cells[1]} | {cells[2]} | "
+                f"{r['ours_heuristic_us']:.1f} |\n"
             )
+        f.write(
+            "\nours: the config tune() picked in this run; read-only kernel: one that only reads "
+            "the int4 weight's bytes (no math), timed alike; shipped table / heuristic: ours "
+            "with the config a call gets without tune() (this GPU's table in "
+            "quantfw/kernels/configs, as it was before this run; else `default_config`).\n"
+        )
         f.write("\n" + "\n".join(f"- {s}" for s in summary) + "\n")
     try:
         import matplotlib
@@ -313,6 +339,11 @@ def main():
     ap.add_argument("--shapes", default="all", help="comma-separated shape names, or all")
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--no-bf16", action="store_true", help="skip the bf16-activation comparison")
+    ap.add_argument(
+        "--configs-out",
+        default=None,
+        help="folder to write this GPU's table of the configs tuned here (w4a16_tables format)",
+    )
     args = ap.parse_args()
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
@@ -324,12 +355,7 @@ def main():
         "sms": props.multi_processor_count,
         "l2_bytes": l2,
     }
-    try:
-        import triton
-
-        meta["triton"] = triton.__version__
-    except ImportError:
-        pass
+    meta["triton"] = triton.__version__
 
     def log(s):
         print(s, flush=True)
@@ -349,14 +375,23 @@ def main():
         with open(os.path.join(args.out, "w4a16-partial.json"), "w") as f:
             json.dump({"meta": meta, "rows": rows}, f)
     extra = [] if args.no_bf16 else bf16_extra(log)
-    from quantfw.kernels.triton import w4a16_kernels as TK
-
     meta["kernel_ok"] = {str(k): v for k, v in TK._KERNEL_OK.items()}
     summary = summarize(rows)
     base = write_outputs(args.out, meta, rows, extra, summary)
     for s in summary:
         log(s)
     log(f"wrote {base}.json/.md/.png")
+    if args.configs_out:
+        tuned = {}
+        for r in rows:
+            if r.get("config"):
+                tuned.setdefault((r["N"], r["K"], G), {})[r["M"]] = tuple(r["config"])
+        source = (
+            f"benchmarks/bench_w4a16.py {meta['date']}, torch {meta['torch']}, triton "
+            f"{meta['triton']}: fp16 activations, AWQ layout, random weights rotated past L2"
+        )
+        path = os.path.join(args.configs_out, T.file_name(meta["gpu"]))
+        log(f"wrote {T.write_table(path, meta['gpu'], tuned, source)}")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ import sys
 
 import torch
 import triton
-import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -40,8 +39,8 @@ def _forced_plan(split: int):
 
 
 def _weights(K, N, l2):
-    int4 = K * N // 2 + (K // B.G) * N * 2 + (K // B.G) * N // 2
-    return int4, [B.random_awq(K, N, "cuda") for _ in range(B.n_copies(int4, l2))]
+    int4 = B.packed_bytes(K, N, B.G)
+    return int4, [B.random_awq(K, N, B.G, "cuda") for _ in range(B.n_copies(int4, l2))]
 
 
 def _fp16_weights(K, N, l2):
@@ -69,7 +68,7 @@ def probe_configs(names, M, cfgs, splits):
         x = torch.randn(M, K, device="cuda", dtype=torch.float16)
         floor = max((int4 + M * K * 2 + M * N * 2) / copy_bw, 2 * M * N * K / mm_rate) * 1e6
         fp16 = B.graph_time([lambda w=w, x=x: torch.nn.functional.linear(x, w) for w in fw], floor)
-        timer = B.rotated_timer(TK, x, packs, floor)
+        timer = B.rotated_timer(x, packs, floor)
         ref = x.float() @ B.W.dequantize_packed(packs[0], torch.float32)
         print(f"{name:22s} M={M} fp16 {fp16:.1f} floor {floor:.1f}", flush=True)
         for cfg in cfgs:
@@ -96,13 +95,6 @@ def _empty(p):
     pass
 
 
-@triton.jit
-def _read(p, out, n, BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    v = tl.load(p + i, mask=i < n, other=0)
-    tl.atomic_add(out + tl.program_id(0) % 64, tl.sum(v, 0))
-
-
 def probe_overhead():
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     sink = torch.zeros(64, device="cuda", dtype=torch.int32)
@@ -114,17 +106,9 @@ def probe_overhead():
         if name not in ("qwen3-8b.o", "qwen3-8b.gate_up", "llama3-70b-tp8.o"):
             continue
         int4, packs = _weights(K, N, l2)
-        bufs = [
-            torch.randint(0, 100, (int4 // 4,), device="cuda", dtype=torch.int32) for _ in packs
-        ]
-        n = bufs[0].numel()
-        grid = (triton.cdiv(n, 4096),)
-        t_read = B.graph_time(
-            [lambda b=b, g=grid, n=n: _read[g](b, sink, n, BLOCK=4096, num_warps=8) for b in bufs],
-            2.0,
-        )
+        t_read = B.plain_read_us(int4, len(packs), 2.0)
         x = torch.randn(1, K, device="cuda", dtype=torch.float16)
-        timer = B.rotated_timer(TK, x, packs, 2.0)
+        timer = B.rotated_timer(x, packs, 2.0)
         best = min((timer(c), c) for c in TK.candidate_configs(1, True))
         print(
             f"{name:20s} {int4 / 1e6:6.2f} MB: read-only kernel {t_read:6.2f} us "
@@ -158,7 +142,7 @@ def probe_deq(names, Ms):
                     return TK._dequantize(p, torch.float16, bkb, warps)
 
                 t_deq = B.graph_time([lambda p=p, d=deq: d(p) for p in packs], 5.0)
-                t_all = B.rotated_timer(TK, x, packs, est)(cfg)
+                t_all = B.rotated_timer(x, packs, est)(cfg)
                 out = TK.w4a16_matmul_cuda(x, packs[0], config=cfg)
                 err = ((out.float() - ref).norm() / ref.norm()).item()
                 row.append(f"deq{cfg[1:]} {t_deq:.1f}, +linear {t_all:.1f}, err {err:.0e}")

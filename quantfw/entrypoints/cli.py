@@ -16,6 +16,7 @@ SUBCOMMANDS = (
     "quantfw.entrypoints.cmd_quantize",
     "quantfw.entrypoints.cmd_generate",
     "quantfw.entrypoints.cmd_serve",
+    "quantfw.entrypoints.cmd_tune_w4a16",
 )
 
 

@@ -11,6 +11,45 @@ from __future__ import annotations
 
 MMA_MAX_M = 64
 WG_MIN_M = 17  # below this the mma.sync kernel's 8/16-token tiles waste less
+DEQ_MIN_M_HOPPER = 2048  # tune() picked deq + cuBLAS on all 8 H200 shapes at M = 4096
+
+#: kind -> (field names after the kind, their types); bool fields take only True/False
+CONFIG_FIELDS: dict[str, tuple[tuple[str, type], ...]] = {
+    "mma": (("warps", int), ("chunk", int), ("ctas_per_sm", int), ("pipe", bool),
+            ("fold", bool), ("wk", int)),
+    "ring": (("warps", int), ("chunk", int), ("stages", int), ("ctas_per_sm", int)),
+    "wg": (("tokens", int), ("warpgroups", int), ("ks", int), ("stages", int),
+           ("ctas_per_sm", int)),
+    "deq": (("k16_steps", int), ("warps", int)),
+}  # fmt: skip
+
+
+def check_config(cfg: tuple, where: str = "w4a16 config") -> tuple:
+    """``cfg`` if it is a well-formed config tuple; a ValueError naming ``where`` otherwise."""
+    kind = cfg[0] if cfg else None
+    fields = CONFIG_FIELDS.get(kind) if isinstance(kind, str) else None
+    if fields is None:
+        raise ValueError(
+            f"{where}: unknown kernel kind {kind!r}; kinds: {', '.join(CONFIG_FIELDS)}"
+        )
+    want = f"({kind!r}, {', '.join(n for n, _ in fields)})"
+    if len(cfg) != 1 + len(fields):
+        raise ValueError(f"{where}: {list(cfg)} has {len(cfg) - 1} fields, {kind} takes {want}")
+    for value, (name, typ) in zip(cfg[1:], fields):
+        ok = (
+            isinstance(value, bool)
+            if typ is bool
+            else (isinstance(value, int) and not isinstance(value, bool) and value > 0)
+        )
+        if not ok:
+            kind_of = "True/False" if typ is bool else "a positive integer"
+            raise ValueError(f"{where}: {name}={value!r} in {list(cfg)} must be {kind_of}; {want}")
+    return tuple(cfg)
+
+
+def m_bucket(M: int) -> int:
+    """Configs are chosen per power-of-two bucket of the token count M."""
+    return 1 << max(0, (M - 1).bit_length())
 
 
 def default_config(M: int, N: int, K: int, G: int, hopper: bool = False) -> tuple:
@@ -23,7 +62,7 @@ def default_config(M: int, N: int, K: int, G: int, hopper: bool = False) -> tupl
         return MMA_SMALL[1]
     if M <= MMA_MAX_M and not hopper:
         return MMA[0]
-    if hopper:
+    if hopper and M < DEQ_MIN_M_HOPPER:
         return _WG_DEFAULT[_wg_bucket(M)]
     return ("deq", 8, 4)
 

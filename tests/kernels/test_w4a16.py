@@ -275,8 +275,8 @@ def test_dispatch_picks_kernels_by_m_shape_and_gpu():
     def kind(M, N, K, hopper):
         return default_config(M, N, K, 128, hopper)[0]
 
-    assert [kind(M, 4096, 4096, True) for M in (1, 2, 16, 17, 64, 4096)] == (
-        ["mma", "mma", "mma", "wg", "wg", "wg"]
+    assert [kind(M, 4096, 4096, True) for M in (1, 2, 16, 17, 64, 1024, 2048, 4096)] == (
+        ["mma", "mma", "mma", "wg", "wg", "wg", "deq", "deq"]
     )
     for M in (1, 8, 9, 16):  # warps split K inside a CTA (wk > 1) up to 16 tokens
         assert default_config(M, 4096, 4096, 128, True)[6] > 1

@@ -18,8 +18,11 @@ Four paths, chosen per M bucket and shape by a cached config (see tune()):
   ``_w4a16_dequant_kernel`` writes a transient ``[N, K]`` buffer in the activation dtype
   (freed after the call; never kept), then cuBLAS through ``F.linear``.
 
-Nothing here synchronizes with the host, so a call is safe under CUDA graph capture once its
-config has been compiled (warm up every M bucket before capturing).
+A call's config: the one ``tune()`` cached for its (M bucket, shape, dtype) in this process,
+else the tuned table shipped for this GPU model (``w4a16_tables``), else the heuristic
+``default_config``; resolved once per key, then a dict lookup.  Nothing here synchronizes with
+the host, so a call is safe under CUDA graph capture once its config has been compiled (warm up
+every M bucket before capturing).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from quantfw.kernels.w4a16_configs import candidate_configs, default_config
+from quantfw.kernels.w4a16_configs import candidate_configs, default_config, m_bucket
+from quantfw.kernels.w4a16_tables import untuned_config
 
 
 @triton.jit
@@ -106,10 +110,6 @@ def _w4a16_dequant_kernel(
 
 _CONFIG_CACHE: dict[tuple, tuple] = {}
 _KERNEL_OK: dict[tuple, bool] = {}
-
-
-def _m_bucket(M: int) -> int:
-    return 1 << max(0, (M - 1).bit_length())
 
 
 def _fallback(x2, packed, bias):
@@ -201,8 +201,9 @@ def _is_hopper(x2) -> bool:
     return _is_sm90 is not None and x2.is_cuda and _is_sm90(x2.device)
 
 
-def _key(M, packed, dtype):
-    return (_m_bucket(M), packed.out_features, packed.in_features, packed.group_size, dtype)
+def _key(x2, packed):
+    M, dev = x2.shape[0], x2.device.index
+    return (m_bucket(M), packed.out_features, packed.in_features, packed.group_size, x2.dtype, dev)
 
 
 def w4a16_matmul_cuda(x2, packed, bias=None, config: tuple | None = None):
@@ -211,9 +212,13 @@ def w4a16_matmul_cuda(x2, packed, bias=None, config: tuple | None = None):
         raise ValueError(f"w4a16_matmul: activations must be fp16 or bf16, got {x2.dtype}")
     M, K = x2.shape
     if config is None:
-        config = _CONFIG_CACHE.get(_key(M, packed, x2.dtype))
+        key = _key(x2, packed)
+        config = _CONFIG_CACHE.get(key)
         if config is None:
-            config = default_config(M, packed.out_features, K, packed.group_size, _is_hopper(x2))
+            name = torch.cuda.get_device_name(x2.device)
+            N, G = packed.out_features, packed.group_size
+            config = untuned_config(name, M, N, K, G, _is_hopper(x2))
+            _CONFIG_CACHE[key] = config
     if bias is not None:
         bias = bias.contiguous()
     return _run(x2.contiguous(), packed, bias, config)
@@ -247,5 +252,5 @@ def tune(x2, packed, bias=None, rep_ms: float = 20.0, bench=None) -> tuple:
         if t < best_t:
             best, best_t = cfg, t
     if best is not None:
-        _CONFIG_CACHE[_key(M, packed, x2.dtype)] = best
+        _CONFIG_CACHE[_key(x2, packed)] = best
     return best

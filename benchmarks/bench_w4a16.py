@@ -7,7 +7,8 @@ One run measures, on the GPU at hand:
     fp16 cuBLAS (F.linear), torch tinygemm (_weight_int4pack_mm, bf16), ours (fp16, AWQ layout,
     group 128), and floor = max(int4 bytes / copy bandwidth, flops / bf16 rate).
 Each method is timed as CUDA-graph replays of many calls that rotate over enough weight copies
-that L2 cannot hold them (launch overhead excluded for every method alike); median of replays.
+that L2 cannot hold them (launch overhead excluded for every method alike); the methods of a
+row are replayed in turn over 5 rounds, order rotated each round, median of all replays.
 Our configs are tuned per (M bucket, shape) first (warm-up), then timed; next to them, the
 config a call gets without tuning (this GPU's shipped table, and the heuristic default), and a
 kernel that only reads the int4 weight.  ``--configs-out DIR`` writes the tuned configs as
@@ -41,6 +42,7 @@ from quantfw.kernels.triton import w4a16_kernels as TK  # noqa: E402
 from quantfw.kernels.triton.w4a16_tuning import (  # noqa: E402
     events_median,
     graph_time,
+    graph_times,
     n_copies,
     packed_bytes,
     random_awq,
@@ -139,28 +141,33 @@ def bench_shape(name, K, N, ms, copy_bw, mm_rate, l2, log):
         t0 = time.time()
         cfg = TK.tune(x, packs[0], bench=timer)
         tune_s = time.time() - t0
-        # fp16 right before ours, so that the ratio compares neighbours in time
-        fp16 = graph_time([lambda w=w, x=x: F.linear(x, w) for w in fp16_ws], floor_us)
-        ours = graph_time([lambda p=p, x=x: W.w4a16_matmul(x, p) for p in packs], floor_us)
-        tiny = None
-        if tg:
-            try:
-                tiny = graph_time(
-                    [
-                        lambda wp=wp, sz=sz, xb=xb: torch.ops.aten._weight_int4pack_mm(
-                            xb, wp, G, sz
-                        )
-                        for wp, sz in tg
-                    ],
-                    floor_us,
-                )
-            except Exception as e:
-                log(f"  tinygemm failed at M={M}: {e!r:.200}")
         # what a call gets without tune(): the shipped table's entry, else the heuristic
         shipped_cfg = T.find_config(device_name, M, N, K, G)
         heuristic_cfg = default_config(M, N, K, G, TK._is_hopper(x))
-        shipped = None if shipped_cfg is None else timer(shipped_cfg)
-        heuristic = timer(heuristic_cfg)
+
+        def ours_with(cfg, x=x, packs=packs):
+            return [lambda p=p: TK.w4a16_matmul_cuda(x, p, config=cfg) for p in packs]
+
+        methods = {
+            "fp16": [lambda w=w, x=x: F.linear(x, w) for w in fp16_ws],
+            "ours": [lambda p=p, x=x: W.w4a16_matmul(x, p) for p in packs],
+            "heuristic": ours_with(heuristic_cfg),
+        }
+        if shipped_cfg is not None:
+            methods["shipped"] = ours_with(shipped_cfg)
+        if tg:
+            try:
+                torch.ops.aten._weight_int4pack_mm(xb, tg[0][0], G, tg[0][1])
+                methods["tiny"] = [
+                    lambda wp=wp, sz=sz, xb=xb: torch.ops.aten._weight_int4pack_mm(xb, wp, G, sz)
+                    for wp, sz in tg
+                ]
+            except Exception as e:
+                log(f"  tinygemm failed at M={M}: {e!r:.200}")
+        # all methods of a row timed in interleaved rounds (see graph_times)
+        t = dict(zip(methods, graph_times(list(methods.values()), floor_us)))
+        fp16, ours, heuristic = t["fp16"], t["ours"], t["heuristic"]
+        shipped, tiny = t.get("shipped"), t.get("tiny")
         row = {
             "shape": name,
             "K": K,

@@ -33,9 +33,8 @@ def events_median(fn: Callable[[], object], iters: int = 7) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in zip(start, end)) * 1e3
 
 
-def graph_time(calls: list[Callable[[], object]], est_us: float) -> float:
-    """Median time of one call (us): a CUDA graph of enough calls rotating over ``calls``
-    to last about 400 us, replayed 7 times (launch overhead excluded alike for every method)."""
+def _capture(calls: list[Callable[[], object]], est_us: float) -> tuple[torch.cuda.CUDAGraph, int]:
+    """A CUDA graph of enough calls rotating over ``calls`` to last about 400 us."""
     n = len(calls)
     reps = n * max(1, math.ceil(400.0 / max(est_us, 1.0) / n))
     reps = min(reps, max(n, 2000))
@@ -52,9 +51,31 @@ def graph_time(calls: list[Callable[[], object]], est_us: float) -> float:
     with torch.cuda.graph(g):
         for i in range(reps):
             calls[i % n]()
-    t = events_median(g.replay, iters=7)
-    del g
-    return t / reps
+    return g, reps
+
+
+def graph_times(
+    methods: list[list[Callable[[], object]]], est_us: float, rounds: int = 5, iters: int = 3
+) -> list[float]:
+    """Median time of one call (us) of each method (a list of calls over rotated copies): each
+    method's graph is replayed ``iters`` times per round, the methods in turn, the order rotated
+    every round, so that no method always runs right after a heavy one (on an H200 the same
+    config measured 3-8% apart at M = 4096 depending on what ran just before it)."""
+    graphs = [_capture(calls, est_us) for calls in methods]
+    samples: list[list[float]] = [[] for _ in graphs]
+    for r in range(rounds):
+        for i in range(len(graphs)):
+            j = (i + r) % len(graphs)
+            g, reps = graphs[j]
+            samples[j].append(events_median(g.replay, iters) / reps)
+    del graphs
+    return [statistics.median(s) for s in samples]
+
+
+def graph_time(calls: list[Callable[[], object]], est_us: float) -> float:
+    """Median time of one call (us): a CUDA graph of calls rotating over ``calls``, 7 replays
+    (launch overhead excluded alike for every method)."""
+    return graph_times([calls], est_us, rounds=1, iters=7)[0]
 
 
 def n_copies(nbytes: int, l2_bytes: int) -> int:

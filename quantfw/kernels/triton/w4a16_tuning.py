@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections.abc import Callable, Iterable
 
 import torch
@@ -55,18 +56,24 @@ def _capture(calls: list[Callable[[], object]], est_us: float) -> tuple[torch.cu
 
 
 def graph_times(
-    methods: list[list[Callable[[], object]]], est_us: float, rounds: int = 5, iters: int = 3
+    methods: list[list[Callable[[], object]]],
+    est_us: float,
+    rounds: int = 5,
+    iters: int = 3,
+    idle_s: float = 0.02,
 ) -> list[float]:
     """Median time of one call (us) of each method (a list of calls over rotated copies): each
-    method's graph is replayed ``iters`` times per round, the methods in turn, the order rotated
-    every round, so that no method always runs right after a heavy one (on an H200 the same
-    config measured 3-8% apart at M = 4096 depending on what ran just before it)."""
+    method's graph is replayed ``iters`` times per round after ``idle_s`` of idle GPU, the
+    methods in turn, the order rotated every round.  Without the idle gap, on an H200 the same
+    config measured 3-10% slower at M = 4096 when it ran right after other heavy calls."""
     graphs = [_capture(calls, est_us) for calls in methods]
     samples: list[list[float]] = [[] for _ in graphs]
     for r in range(rounds):
         for i in range(len(graphs)):
             j = (i + r) % len(graphs)
             g, reps = graphs[j]
+            torch.cuda.synchronize()
+            time.sleep(idle_s)
             samples[j].append(events_median(g.replay, iters) / reps)
     del graphs
     return [statistics.median(s) for s in samples]
@@ -75,7 +82,7 @@ def graph_times(
 def graph_time(calls: list[Callable[[], object]], est_us: float) -> float:
     """Median time of one call (us): a CUDA graph of calls rotating over ``calls``, 7 replays
     (launch overhead excluded alike for every method)."""
-    return graph_times([calls], est_us, rounds=1, iters=7)[0]
+    return graph_times([calls], est_us, rounds=1, iters=7, idle_s=0.0)[0]
 
 
 def n_copies(nbytes: int, l2_bytes: int) -> int:

@@ -81,8 +81,9 @@ def graph_times(
 
 def graph_time(calls: list[Callable[[], object]], est_us: float) -> float:
     """Median time of one call (us): a CUDA graph of calls rotating over ``calls``, 7 replays
-    (launch overhead excluded alike for every method)."""
-    return graph_times([calls], est_us, rounds=1, iters=7, idle_s=0.0)[0]
+    after 20 ms of idle GPU (launch overhead excluded alike for every method; the idle gap
+    keeps ``tune()`` from favouring the candidates it times first)."""
+    return graph_times([calls], est_us, rounds=1, iters=7)[0]
 
 
 def n_copies(nbytes: int, l2_bytes: int) -> int:

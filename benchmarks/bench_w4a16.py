@@ -8,7 +8,8 @@ One run measures, on the GPU at hand:
     group 128), and floor = max(int4 bytes / copy bandwidth, flops / bf16 rate).
 Each method is timed as CUDA-graph replays of many calls that rotate over enough weight copies
 that L2 cannot hold them (launch overhead excluded for every method alike); the methods of a
-row are replayed in turn over 5 rounds, order rotated each round, median of all replays.
+row are replayed in turn over 5 rounds, order rotated each round, each after 20 ms of idle GPU
+(what ran just before otherwise shifts a time by up to 10%), median of all replays.
 Our configs are tuned per (M bucket, shape) first (warm-up), then timed; next to them, the
 config a call gets without tuning (this GPU's shipped table, and the heuristic default), and a
 kernel that only reads the int4 weight.  ``--configs-out DIR`` writes the tuned configs as

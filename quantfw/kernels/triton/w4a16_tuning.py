@@ -125,7 +125,7 @@ def tune_shapes(
 ) -> dict[tuple[int, int, int], dict[int, tuple]]:
     """{(N, K, G): {M: best config}} for each ``(N, K, G)`` and M, on random weights rotated
     past L2 (each shape's copies are freed before the next)."""
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
     table: dict[tuple[int, int, int], dict[int, tuple]] = {}
     for N, K, G in shapes:
         nbytes = packed_bytes(K, N, G)

@@ -36,20 +36,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def w4a16_shapes(model: str, tp: int, revision: str | None = None) -> list[tuple[int, int, int]]:
     """The distinct per-rank ``(N, K, G)`` of the linear layers that rank 0 of ``tp`` runs
     through the W4A16 kernels (4-bit AWQ and GPTQ)."""
-    from quantfw import distributed as qdist
     from quantfw.config import ModelConfig
+    from quantfw.entrypoints.cmd_info import shard_plan
     from quantfw.layers.linear import LinearBase
     from quantfw.layers.quantization.awq import AWQLinearMethod
     from quantfw.layers.quantization.gptq import GPTQLinearMethod
-    from quantfw.loaders.base import initialize_model
 
     mc = ModelConfig(model, revision=revision)
     qc = mc.quant_config
     if qc is None or qc.get_name() not in ("awq", "gptq") or getattr(qc, "bits", None) != 4:
         what = f"{qc.get_name()} ({qc!r})" if qc else "not quantized"
         raise ValueError(f"{model}: W4A16 kernels serve 4-bit awq and gptq; this model is {what}")
-    with qdist.simulated_tp(tp, 0):
-        meta = initialize_model(mc, "meta")
+    meta, _ = shard_plan(mc, tp)
     shapes = []
     for module in meta.modules():
         method = getattr(module, "quant_method", None)

@@ -132,7 +132,8 @@ def tune_shapes(
         packs = [random_awq(K, N, G, "cuda") for _ in range(n_copies(nbytes, l2))]
         for M in ms:
             x = torch.randn(M, K, device="cuda", dtype=dtype)
-            est_us = (nbytes + 2 * M * (K + N)) / 3e12 * 1e6
+            # a rough floor (3 TB/s, 500 TFLOP/s): it only sizes the timed graphs
+            est_us = max((nbytes + 2 * M * (K + N)) / 3e12, 2 * M * N * K / 500e12) * 1e6
             cfg = TK.tune(x, packs[0], bench=rotated_timer(x, packs, est_us))
             if cfg is None:
                 raise RuntimeError(f"w4a16 tuning: no candidate config ran for N={N} K={K} M={M}")

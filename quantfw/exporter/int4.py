@@ -1,5 +1,5 @@
-"""Round-to-nearest (RTN) export of a dense HF checkpoint into the AWQ (AutoAWQ GEMM) or GPTQ
-(GPTQModel) on-disk format. No calibration: each group's scale and zero come from its min/max.
+"""Round-to-nearest (RTN) export into the AWQ (AutoAWQ GEMM) or GPTQ (GPTQModel) on-disk
+format. No calibration: each group's scale and zero come from its min/max.
 
 Only the decoder's linear layers (q/k/v/o/gate/up/down_proj) are quantized; embeddings, norms
 and lm_head keep their dtype. See docs/formats.md for the layouts.
@@ -7,30 +7,18 @@ and lm_head keep their dtype. See docs/formats.md for the layouts.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import shutil
 import zlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 from quantfw.kernels import reference
-from quantfw.loaders.weight_utils import (
-    PT_INDEX,
-    SAFETENSORS_INDEX,
-    download_snapshot,
-    find_weight_files,
-    iterate_pt,
-    iterate_safetensors,
-)
 
 QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: layers whose inputs are the same tensor share an act-order permutation (and so g_idx)
 _SHARED_INPUT = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
-_METADATA_SUFFIXES = (".json", ".model", ".txt", ".tiktoken", ".jinja")
-METHODS = ("awq", "gptq")
 
 
 def _group_ids(in_features: int, group_size: int, perm: torch.Tensor | None) -> torch.Tensor:
@@ -86,7 +74,7 @@ def rtn_quantize(
     return codes.to(torch.int32), zeros.to(torch.int32), scales.to(torch.float16)
 
 
-class _Exporter:
+class Int4Exporter:
     def __init__(
         self,
         *,
@@ -194,119 +182,47 @@ class _Exporter:
                 yield name, tensor
 
 
-def _write_shards(
-    tensors: Iterator[tuple[str, torch.Tensor]], out_dir: str, max_shard_bytes: int
-) -> None:
-    """Write safetensors shards of at most `max_shard_bytes` (one tensor may exceed it) as they
-    fill, then name them model-XXXXX-of-YYYYY with an index (or model.safetensors if one)."""
-    from safetensors.torch import save_file
-
-    written: list[tuple[str, list[str]]] = []
-    shard: dict[str, torch.Tensor] = {}
-    size = total = 0
-
-    def flush() -> None:
-        path = os.path.join(out_dir, f".shard-{len(written):05d}.tmp")
-        save_file(shard, path, metadata={"format": "pt"})
-        written.append((path, list(shard)))
-        shard.clear()
-
-    for name, tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if shard and size + nbytes > max_shard_bytes:
-            flush()
-            size = 0
-        shard[name] = tensor.contiguous()
-        size += nbytes
-        total += nbytes
-    if shard or not written:
-        flush()
-    if len(written) == 1:
-        os.replace(written[0][0], os.path.join(out_dir, "model.safetensors"))
-        return
-    weight_map = {}
-    for i, (path, names) in enumerate(written, 1):
-        filename = f"model-{i:05d}-of-{len(written):05d}.safetensors"
-        os.replace(path, os.path.join(out_dir, filename))
-        weight_map.update(dict.fromkeys(names, filename))
-    with open(os.path.join(out_dir, SAFETENSORS_INDEX), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+#: the options each method takes, with their defaults
+_OPTIONS: dict[str, dict[str, Any]] = {
+    "awq": {"bits": 4, "group_size": 128, "zero_point": True},
+    "gptq": {
+        "bits": 4,
+        "group_size": 128,
+        "desc_act": False,
+        "sym": True,
+        "checkpoint_format": "gptq",
+        "seed": 0,
+    },
+}
 
 
-def quantize_checkpoint(
-    model_path: str,
-    out_dir: str,
-    *,
-    method: str,
-    bits: int = 4,
-    group_size: int = 128,
-    desc_act: bool = False,
-    sym: bool = True,
-    checkpoint_format: str = "gptq",
-    zero_point: bool = True,
-    seed: int = 0,
-    max_shard_size: int = 4 * 2**30,
-) -> str:
-    """RTN-quantize the dense checkpoint `model_path` (folder or hub id) into `out_dir` in the
-    format AutoAWQ (`method="awq"`, GEMM) or GPTQModel (`method="gptq"`) writes; returns
-    `out_dir`. `desc_act` draws a seeded random act-order permutation per input (shared by
-    q/k/v and by gate/up) so g_idx is non-trivial. `max_shard_size` is in bytes."""
-    method = method.lower()
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; supported: {list(METHODS)}")
-    if group_size != -1 and group_size <= 0:
-        raise ValueError(f"group_size={group_size} is invalid; use a positive size or -1")
+def build(method: str, args: dict[str, Any], hf_config: dict[str, Any]) -> Int4Exporter:
+    """The AWQ or GPTQ exporter for `args` (validated; unknown options are an error)."""
+    unknown = sorted(set(args) - set(_OPTIONS[method]))
+    if unknown:
+        raise ValueError(
+            f"{method} export: unknown option(s) {unknown}; supported: {sorted(_OPTIONS[method])}"
+        )
+    o = {**_OPTIONS[method], **args}
+    if o["group_size"] != -1 and o["group_size"] <= 0:
+        raise ValueError(f"group_size={o['group_size']} is invalid; use a positive size or -1")
     if method == "awq":
-        if bits != 4 or desc_act or not zero_point:
+        if o["bits"] != 4 or not o["zero_point"]:
             raise ValueError(
-                "AWQ GEMM export supports bits=4, zero_point=True and no desc_act; got "
-                f"bits={bits}, zero_point={zero_point}, desc_act={desc_act}"
+                "AWQ GEMM export supports bits=4 and zero_point=True; got "
+                f"bits={o['bits']}, zero_point={o['zero_point']}"
             )
+        o.update(desc_act=False, sym=False, checkpoint_format="gptq", seed=0)
+        del o["zero_point"]
     else:
-        if bits not in reference.SUPPORTED_GPTQ_BITS:
+        if o["bits"] not in reference.SUPPORTED_GPTQ_BITS:
             raise ValueError(
-                f"GPTQ export: bits={bits} not supported; supported: "
+                f"GPTQ export: bits={o['bits']} not supported; supported: "
                 f"{list(reference.SUPPORTED_GPTQ_BITS)}"
             )
-        if checkpoint_format not in ("gptq", "gptq_v2"):
+        if o["checkpoint_format"] not in ("gptq", "gptq_v2"):
             raise ValueError(
-                f"GPTQ export: checkpoint_format={checkpoint_format!r} not supported; "
+                f"GPTQ export: checkpoint_format={o['checkpoint_format']!r} not supported; "
                 "supported: ['gptq', 'gptq_v2']"
             )
-    folder = download_snapshot(model_path)
-    with open(os.path.join(folder, "config.json")) as f:
-        config = json.load(f)
-    if config.get("quantization_config"):
-        raise ValueError(
-            f"{model_path!r} is already quantized "
-            f"({config['quantization_config'].get('quant_method')}); export needs a dense checkpoint"
-        )
-    exporter = _Exporter(
-        method=method,
-        bits=bits,
-        group_size=group_size,
-        desc_act=desc_act,
-        sym=sym,
-        checkpoint_format=checkpoint_format,
-        seed=seed,
-    )
-    files, use_safetensors = find_weight_files(folder)
-    reader = iterate_safetensors if use_safetensors else iterate_pt
-
-    def source() -> Iterator[tuple[str, torch.Tensor]]:
-        for path in files:
-            yield from reader(path)
-
-    os.makedirs(out_dir, exist_ok=True)
-    _write_shards(exporter.convert(source()), out_dir, max_shard_size)
-    config["quantization_config"] = exporter.quantization_config()
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    for name in sorted(os.listdir(folder)):
-        if (
-            name.endswith(_METADATA_SUFFIXES)
-            and name not in ("config.json", SAFETENSORS_INDEX, PT_INDEX)
-            and os.path.isfile(os.path.join(folder, name))
-        ):
-            shutil.copyfile(os.path.join(folder, name), os.path.join(out_dir, name))
-    return out_dir
+    return Int4Exporter(method=method, **o)

@@ -62,3 +62,26 @@ def test_tp2_equals_tp1(hf_checkpoint, rel_err, tmp_path):
         "number of attention heads 3 is not divisible by tensor_parallel_size 2"
         in results[-1]["error"]
     )
+
+
+@pytest.mark.slow
+def test_tp2_engine_generates_the_tp1_tokens(hf_checkpoint, tmp_path):
+    """The per-step tensor protocol (header + packed payload) keeps both ranks in lockstep
+    through chunked prefill and preemption."""
+    from quantfw.engine import LLM, SamplingParams
+
+    _, folder = hf_checkpoint("qwen3", name="qwen3_tp")
+    script = os.path.join(os.path.dirname(__file__), "scripts", "tp_generate.py")
+    out = tmp_path / "tokens.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [*cmd, script, str(out), folder], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = torch.load(out)
+    assert result["preemptions"] > 0
+    llm = LLM(folder, device="cpu", dtype="float32", max_model_len=48, block_size=4)
+    prompts = [list(range(1, 4 + 5 * i)) for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == result["tokens"]

@@ -24,6 +24,8 @@ from quantfw.engine.sampling_params import SamplingParams
 from quantfw.engine.scheduler import Scheduler
 from quantfw.engine.sequence import CompletionOutput, RequestOutput, Sequence
 from quantfw.layers.attention import FlashInferBackend, select_backend
+from quantfw.layers.attention.selector import triton_available
+from quantfw.layers.rotary import RotaryEmbedding
 
 
 @dataclass
@@ -90,6 +92,8 @@ class LLMEngine:
         gpu_memory_utilization: float = 0.9,
         cuda_graphs: bool | None = None,
         attention_backend: str = "auto",
+        block_size: int = 16,
+        num_gpu_blocks: int | None = None,
         load_format: str = "auto",
         revision: str | None = None,
         download_dir: str | None = None,
@@ -118,43 +122,65 @@ class LLMEngine:
                 f"{type(self.model).__name__} has no cache-aware forward_cached(); "
                 "the engine cannot run it (model(input_ids) still works)"
             )
+        for module in self.model.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.reserve(self.max_model_len)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model, revision)
         self.eos_token_ids = eos_token_ids(model, self.model_config.hf_config, self.tokenizer)
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(2048, max_num_seqs)
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_num_seqs "
+                f"({max_num_seqs}) so every running sequence can decode each step"
+            )
         self.kv_cache = KVCache(
             self.model,
+            block_size=block_size,
             max_model_len=self.max_model_len,
             max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
             dtype=self.model_config.dtype,
             device=self.device,
             memory_utilization=gpu_memory_utilization,
+            num_blocks=num_gpu_blocks,
         )
-        backend = select_backend(attention_backend, self.device, self.model_config.dtype)
+        uses_sinks = any(
+            layer.sinks is not None for g in self.kv_cache.groups for layer in g.layers
+        )
+        backend = select_backend(
+            attention_backend, self.device, self.model_config.dtype, uses_sinks=uses_sinks
+        )
         if isinstance(backend, FlashInferBackend):
-            layer = next(m for m in self.model.modules() if hasattr(m, "kv_cache"))
+            layer = self.kv_cache.groups[0].layers[0]
             backend.configure(
                 layer.num_heads,
                 layer.num_kv_heads,
                 layer.head_dim,
-                self.max_model_len,
                 self.model_config.dtype,
+                self.kv_cache.windows,
             )
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
+        graph_backend = backend
+        if cuda_graphs and not backend.graph_capturable:
+            graph_backend = select_backend(
+                "triton" if triton_available() else "sdpa", self.device, self.model_config.dtype
+            )
         self.runner = ModelRunner(
             self.model,
             self.kv_cache,
             backend,
             self.device,
             cuda_graphs=cuda_graphs,
-            max_graph_batch=self.kv_cache.num_slots,
+            max_graph_batch=max_num_seqs,
+            graph_backend=graph_backend,
         )
-        budget = max_num_batched_tokens or max(2048, self.kv_cache.num_slots)
-        if budget < self.kv_cache.num_slots:
-            raise ValueError(
-                f"max_num_batched_tokens={budget} must be >= the number of sequences "
-                f"({self.kv_cache.num_slots}) so every running sequence can decode each step"
-            )
-        self.scheduler = Scheduler(self.kv_cache, max_num_batched_tokens=budget)
+        self.scheduler = Scheduler(
+            self.kv_cache,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+        )
         self.requests: dict[str, _Request] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()

@@ -1,9 +1,14 @@
-"""Continuous batching: which sequences run in the next step, and with how many tokens.
+"""Continuous batching over the paged KV cache: which sequences run in the next step, with how
+many tokens.
 
-Every step, running sequences that are decoding get one token each; sequences still prefilling
-and then waiting ones (given a cache slot as they are admitted) share the rest of the step's
-token budget, so a long prompt is prefilled in chunks across several steps while the others
-keep decoding. New requests join between any two steps.
+Every step, running sequences that are decoding get one token each; sequences still prefilling,
+then waiting ones, share the rest of the step's token budget, so a long prompt is prefilled in
+chunks across steps while the others keep decoding. Blocks are allocated for exactly the tokens
+a step computes. When a running sequence needs a block and none is free, the most recently
+admitted running sequence is preempted: its blocks are freed and it goes back to the front of
+the queue, to be recomputed (prompt and generated tokens) when blocks are free again. A waiting
+sequence is admitted only when its first chunk's blocks are free; the engine refuses up front a
+sequence that could not fit even alone, so every admitted sequence can finish.
 """
 
 from __future__ import annotations
@@ -17,19 +22,24 @@ from quantfw.engine.sequence import SeqStatus, Sequence
 
 @dataclass
 class StepBatch:
-    """One forward step as plain data (picklable: broadcast to the other TP ranks).
+    """One forward step as plain data (what the other TP ranks receive).
 
-    ``input_ids``/``positions`` are the flat tokens; per sequence: ``slots``, ``query_lens``,
-    ``context_lens`` (cached tokens after the step); ``sample_rows`` the flat rows whose logits
-    are needed (one per sequence that completes its pending tokens this step).
+    ``input_ids``/``positions`` are the flat new tokens; per sequence ``query_lens`` (new tokens)
+    and ``context_lens`` (cached tokens after the step); ``block_tables[g][b]`` sequence b's
+    table in KV-cache group g; ``sample_rows`` the flat rows whose logits are needed (one per
+    sequence that completes its pending tokens this step).
     """
 
     input_ids: list[int]
     positions: list[int]
-    slots: list[int]
     query_lens: list[int]
     context_lens: list[int]
+    block_tables: list[list[list[int]]]
     sample_rows: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
 
     @property
     def is_decode(self) -> bool:
@@ -37,11 +47,14 @@ class StepBatch:
 
 
 class Scheduler:
-    def __init__(self, kv_cache: KVCache, *, max_num_batched_tokens: int):
+    def __init__(self, kv_cache: KVCache, *, max_num_batched_tokens: int, max_num_seqs: int):
         self.kv_cache = kv_cache
+        self.blocks = kv_cache.blocks
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -49,44 +62,75 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _reserve(self, seq: Sequence, n: int) -> bool:
+        """Allocate `seq`'s blocks for `n` more tokens, preempting the latest admitted running
+        sequences while blocks are short. False when `seq` itself had to be preempted."""
+        while not self.blocks.can_allocate(seq, n):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        self.blocks.allocate(seq, n)
+        return True
+
     def schedule(self) -> tuple[list[tuple[Sequence, int]], StepBatch] | None:
         """The (sequence, tokens) pairs of the next step and its batch; None when idle."""
         budget = self.max_num_batched_tokens
         plan: list[tuple[Sequence, int]] = []
         decoding = [s for s in self.running if s.num_uncomputed == 1]
         prefilling = [s for s in self.running if s.num_uncomputed > 1]
-        for seq in decoding:
-            plan.append((seq, 1))
-            budget -= 1
-        for seq in prefilling:
-            if budget <= 0:
-                break
+        preempted = False
+        for seq in decoding + prefilling:
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted for an earlier sequence of this step
             n = min(seq.num_uncomputed, budget)
+            if n <= 0:
+                break
+            if not self._reserve(seq, n):
+                preempted = True
+                continue
             plan.append((seq, n))
             budget -= n
-        while self.waiting and budget > 0 and self.kv_cache.num_free > 0:
-            seq = self.waiting.popleft()
-            seq.slot = self.kv_cache.allocate()
+        while (
+            not preempted and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+        ):
+            seq = self.waiting[0]
+            n = min(seq.num_uncomputed, budget)
+            if not self.blocks.can_allocate(seq, n):
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(seq, n)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            n = min(seq.num_uncomputed, budget)
             plan.append((seq, n))
             budget -= n
+        plan = [(s, n) for s, n in plan if s.status is SeqStatus.RUNNING]
         if not plan:
             return None
         return plan, self._batch(plan)
 
-    @staticmethod
-    def _batch(plan: list[tuple[Sequence, int]]) -> StepBatch:
-        batch = StepBatch([], [], [], [], [], [])
+    def _batch(self, plan: list[tuple[Sequence, int]]) -> StepBatch:
+        groups = self.blocks.num_groups
+        batch = StepBatch([], [], [], [], [[] for _ in range(groups)], [])
+        bs = self.blocks.block_size
         for seq, n in plan:
             start = seq.num_computed
-            tokens = seq.token_ids[start : start + n]
-            batch.input_ids.extend(tokens)
+            batch.input_ids.extend(seq.token_ids[start : start + n])
             batch.positions.extend(range(start, start + n))
-            batch.slots.append(seq.slot)
             batch.query_lens.append(n)
             batch.context_lens.append(start + n)
+            used = -(-(start + n) // bs)
+            for g in range(groups):
+                batch.block_tables[g].append(seq.block_tables[g][:used])
             if start + n == seq.num_tokens:
                 batch.sample_rows.append(len(batch.input_ids) - 1)
         return batch
@@ -96,7 +140,7 @@ class Scheduler:
         seq.finish_reason = reason
         if seq in self.running:
             self.running.remove(seq)
-            self.kv_cache.release(seq.slot)
-            seq.slot = -1
+            self.blocks.free(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+            self.blocks.free(seq)

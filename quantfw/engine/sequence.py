@@ -30,7 +30,8 @@ class TokenLogprob:
 
 @dataclass
 class Sequence:
-    """Prompt plus generated tokens, its cache slot and how much of it the cache holds."""
+    """Prompt plus generated tokens, its KV-cache block tables (one per cache group) and how
+    many of its tokens the cache holds."""
 
     request_id: str
     index: int
@@ -41,7 +42,9 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
-    slot: int = -1
+    block_tables: list[list[int]] = field(default_factory=list)
+    #: times this sequence was preempted (its cache dropped, to be recomputed)
+    num_preemptions: int = 0
     num_computed: int = 0
     finish_reason: str | None = None
     #: decoded output text (kept up to date when streaming or matching stop strings)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from quantfw.kernels import fused
 
 
 class SiluAndMul(nn.Module):
     """``silu(x[..., :d]) * x[..., d:]`` for an input of width 2d (gate then up)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        d = x.shape[-1] // 2
-        return F.silu(x[..., :d]) * x[..., d:]
+        return fused.silu_and_mul(x)

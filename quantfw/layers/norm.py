@@ -1,10 +1,12 @@
-"""RMSNorm as transformers computes it (fp32 statistics, weight applied in the input dtype)."""
+"""RMSNorm as transformers computes it (fp32 statistics, weight applied in the input dtype),
+optionally fused with the residual add before it (`quantfw.kernels.fused`)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from quantfw.kernels import fused
 from quantfw.layers.sharding import copy_shard, set_weight_attrs
 
 
@@ -20,11 +22,11 @@ class RMSNorm(nn.Module):
         )
         set_weight_attrs(self.weight, {"weight_loader": _load_whole})
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``norm(x)``, or with `residual`: ``(norm(x + residual), x + residual)``."""
+        return fused.rms_norm(x, self.weight, self.eps, residual)
 
 
 def _load_whole(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:

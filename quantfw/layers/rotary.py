@@ -12,6 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from quantfw.kernels import fused
+from quantfw.layers.norm import RMSNorm
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
 
@@ -86,8 +89,10 @@ def _yarn_inv_freq(
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies rotate-half (GPT-NeoX style) rotary embedding to the first `rotary_dim` features
-    of q and k. cos/sin are computed in fp32 from the positions on each call."""
+    """Rotate-half (GPT-NeoX style) rotary embedding of the first `rotary_dim` features of q and
+    k. `cos_sin(positions)` gives each position's cos and sin (float32) from a table grown on
+    demand (recomputed per call for the dynamic type, whose frequencies depend on the length);
+    `apply` rotates (and optionally RMS-normalizes per head) through the fused kernels."""
 
     def __init__(self, head_dim: int, max_position_embeddings: int, params: dict[str, Any]):
         super().__init__()
@@ -112,10 +117,9 @@ class RotaryEmbedding(nn.Module):
                 self.base, self.rotary_dim, params, max_position_embeddings
             )
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("cos_sin_cache", torch.empty(0, self.rotary_dim), persistent=False)
 
     def _inv_freq_for(self, positions: torch.Tensor) -> torch.Tensor:
-        if self.rope_type != "dynamic":
-            return self.inv_freq
         seq_len = int(positions.max().item()) + 1
         if seq_len <= self.max_position_embeddings:
             return self.inv_freq
@@ -125,42 +129,39 @@ class RotaryEmbedding(nn.Module):
         )
         return _base_inv_freq(base, dim).to(self.inv_freq.device)
 
-    def cos_sin(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of shape [*positions.shape, rotary_dim]."""
-        inv_freq = self._inv_freq_for(positions)
+    def _table(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
         freqs = positions.float().unsqueeze(-1) * inv_freq.float()
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = emb.cos() * self.attention_scaling
-        sin = emb.sin() * self.attention_scaling
-        return cos.to(dtype), sin.to(dtype)
+        return torch.cat((freqs.cos(), freqs.sin()), dim=-1) * self.attention_scaling
 
-    def rotate(
-        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    def reserve(self, num_positions: int) -> None:
+        """Make the cos/sin table hold positions ``< num_positions`` (no-op for dynamic)."""
+        if self.rope_type == "dynamic" or self.cos_sin_cache.shape[0] >= num_positions:
+            return
+        device = self.inv_freq.device
+        positions = torch.arange(num_positions, device=device)
+        self.cos_sin_cache = self._table(positions, self.inv_freq)
+
+    def cos_sin(self, positions: torch.Tensor) -> torch.Tensor:
+        """[*positions.shape, rotary_dim] float32: cos of the rotary_dim/2 frequencies, then sin.
+        Positions beyond the table need a `reserve` first (the engine reserves max_model_len)."""
+        if self.rope_type == "dynamic":
+            return self._table(positions, self._inv_freq_for(positions))
+        return self.cos_sin_cache[positions.long()]
+
+    def apply(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        cos_sin: torch.Tensor,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q, k [batch, seq, heads, head_dim] by cos/sin from `cos_sin` ([batch, seq, d])."""
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        return _apply(q, cos, sin, self.rotary_dim), _apply(k, cos, sin, self.rotary_dim)
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q, k: [batch, seq, heads, head_dim]; positions: [batch, seq]."""
-        cos, sin = self.cos_sin(positions, q.dtype)
-        return self.rotate(q, k, cos, sin)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
-    if rotary_dim == x.shape[-1]:
-        return x * cos + _rotate_half(x) * sin
-    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
-    return torch.cat((rot * cos + _rotate_half(rot) * sin, rest), dim=-1)
+        """Rotate q [..., heads, head_dim] and k [..., kv_heads, head_dim] (after per-head
+        RMSNorm when `q_norm`/`k_norm` are given); may work in place."""
+        q_w = q_norm.weight if q_norm is not None else None
+        k_w = k_norm.weight if k_norm is not None else None
+        eps = q_norm.eps if q_norm is not None else 0.0
+        return fused.qk_norm_rope(q, k, cos_sin, self.rotary_dim, q_w, k_w, eps)
 
 
 def get_rope(head_dim: int, hf_config: Any) -> RotaryEmbedding:

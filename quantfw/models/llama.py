@@ -102,8 +102,7 @@ class LlamaAttention(nn.Module):
         self,
         hidden: torch.Tensor,
         rotary: RotaryEmbedding,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        cos_sin: torch.Tensor,
         attn_meta: AttentionMetadata | None = None,
     ) -> torch.Tensor:
         b, s, _ = hidden.shape
@@ -112,9 +111,7 @@ class LlamaAttention(nn.Module):
         q = q.view(b, s, self.num_heads, self.head_dim)
         k = k.view(b, s, self.num_kv_heads, self.head_dim)
         v = v.view(b, s, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary.rotate(q, k, cos, sin)
+        q, k = rotary.apply(q, k, cos_sin, self.q_norm, self.k_norm)
         if attn_meta is None:
             return self.o_proj(self.attn(q, k, v))
         # cache-aware: one flat batch of tokens (b == 1)
@@ -146,9 +143,23 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden, rotary, cos, sin, attn_meta=None):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rotary, cos, sin, attn_meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotary: RotaryEmbedding,
+        cos_sin: torch.Tensor,
+        attn_meta: AttentionMetadata | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the residual add is fused
+        into the next norm, as in vLLM."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, rotary, cos_sin, attn_meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -175,10 +186,12 @@ class LlamaModel(nn.Module):
         attn_meta: AttentionMetadata | None = None,
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
+        cos_sin = self.rotary_emb.cos_sin(positions)
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, self.rotary_emb, cos, sin, attn_meta)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, self.rotary_emb, cos_sin, attn_meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
 
 
 class LlamaForCausalLM(nn.Module):
@@ -242,6 +255,9 @@ class LlamaForCausalLM(nn.Module):
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(
                 input_ids
             )
+            self.model.rotary_emb.reserve(input_ids.shape[1])
+        else:
+            self.model.rotary_emb.reserve(int(positions.max()) + 1)
         return self.compute_logits(self.model(input_ids, positions))
 
     def forward_cached(

@@ -33,10 +33,22 @@ def _greedy_with_and_without_graphs(model, dtype, backend, check_llm=None):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["sdpa", "auto"])
-def test_cuda_graph_decode_matches_eager(tiny_llama, backend):
-    outs = _greedy_with_and_without_graphs(tiny_llama, "float32", backend)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("backend", ["sdpa", "triton"])
+def test_cuda_graph_decode_matches_eager(tiny_llama, backend, dtype):
+    outs = _greedy_with_and_without_graphs(tiny_llama, dtype, backend)
     assert outs[True] == outs[False]
+
+
+@pytest.mark.gpu
+def test_triton_backend_matches_transformers_in_float32(tiny_qwen3):
+    from tiny_checkpoint import hf_greedy
+
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    llm = LLM(tiny_qwen3, dtype="float32", max_num_seqs=2, max_num_batched_tokens=8)
+    assert llm.engine.runner.backend.name == "triton"
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)]
+    assert got == hf_greedy(tiny_qwen3, PROMPTS, 12)
 
 
 def test_cuda_graphs_refused_on_cpu(tiny_llama):

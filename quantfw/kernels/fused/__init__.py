@@ -1,0 +1,76 @@
+"""Fused small ops of a decoder layer: RMSNorm (with the residual add), per-head q/k RMSNorm +
+rotary, SiLU-and-mul.
+
+Each op has a plain torch path (`reference.py`, the CPU path and what tests compare against,
+matching transformers' arithmetic and rounding) and one Triton kernel (`triton_ops.py`) used for
+CUDA tensors when Triton is installed. The Triton kernels compute in float32 and round where
+transformers rounds, except rotary, which rounds once instead of after every product.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from quantfw.kernels.fused import reference
+
+__all__ = ["rms_norm", "silu_and_mul", "qk_norm_rope", "triton_available"]
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda and triton_available()
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim. With `residual`: ``h = x + residual`` (rounded to x's dtype)
+    is normalized and ``(norm(h), h)`` returned; without, ``norm(x)``."""
+    if _use_triton(x):
+        from quantfw.kernels.fused import triton_ops
+
+        return triton_ops.rms_norm(x, weight, eps, residual)
+    return reference.rms_norm(x, weight, eps, residual)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :d]) * x[..., d:]`` for x of width 2d (gate then up)."""
+    if _use_triton(x):
+        from quantfw.kernels.fused import triton_ops
+
+        return triton_ops.silu_and_mul(x)
+    return reference.silu_and_mul(x)
+
+
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_sin: torch.Tensor,
+    rotary_dim: int,
+    q_weight: torch.Tensor | None = None,
+    k_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optional per-head RMSNorm (Qwen3's q_norm/k_norm) then rotate-half rotary embedding of the
+    first `rotary_dim` features of q [..., heads, head_dim] and k [..., kv_heads, head_dim].
+
+    `cos_sin` [..., rotary_dim] (float32) holds cos of the rotary_dim/2 frequencies then their sin
+    (`RotaryEmbedding.cos_sin`). May work in place on q and k (views of a fused qkv output are
+    fine); returns the rotated q and k."""
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("qk_norm_rope: pass both q_weight and k_weight, or neither")
+    if _use_triton(q):
+        from quantfw.kernels.fused import triton_ops
+
+        return triton_ops.qk_norm_rope(q, k, cos_sin, rotary_dim, q_weight, k_weight, eps)
+    return reference.qk_norm_rope(q, k, cos_sin, rotary_dim, q_weight, k_weight, eps)

@@ -1,0 +1,73 @@
+"""Our Triton paged-attention kernels on the GPU equal dense float64 attention (fp32) and stay
+within rounding in fp16/bf16, at the shapes models use (head_dim 64/128, GQA 4-8, blocks of 16,
+contexts up to a few thousand tokens with split-K decode), sliding windows and sinks included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_case import make_case
+
+CASES = {
+    "decode_long": dict(cached=[0, 31, 700, 2500], new=[1, 1, 1, 1]),
+    "prefill": dict(cached=[0, 0], new=[300, 77]),
+    "chunked_mixed": dict(cached=[500, 16, 0], new=[130, 1, 65]),
+}
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(TOL))
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("window,sinks", [(None, False), (128, True)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (8, 1, 64)])
+def test_triton_backend_matches_reference(dtype, case, window, sinks, heads, kv_heads, head_dim):
+    from quantfw.layers.attention.backends.triton import TritonBackend
+
+    c = make_case(
+        **CASES[case], heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=16,
+        window=window, sinks=sinks, dtype=dtype, device="cuda",
+    )  # fmt: skip
+    backend = TritonBackend()
+    meta = c.metadata(backend)
+    out = torch.full((sum(c.new), heads * head_dim), float("nan"), dtype=dtype, device="cuda")
+    out.copy_(backend.forward(c.layer, c.q, c.k, c.v, meta))
+    ref = c.reference()
+    assert torch.isfinite(out).all()
+    err = ((out.double().cpu() - ref).abs().max() / ref.abs().max()).item()
+    assert err <= TOL[dtype], err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fused_ops_match_reference_on_gpu(dtype):
+    from quantfw.kernels.fused import reference, triton_ops
+
+    torch.manual_seed(0)
+    x = torch.randn(37, 4096, dtype=dtype, device="cuda")
+    r, w = torch.randn_like(x), torch.randn(4096, dtype=dtype, device="cuda")
+    # the same roundings as torch; fp32 sums in another order may move a value by one ulp
+    ulp = torch.finfo(dtype).eps
+
+    def close(a, b):
+        return torch.allclose(a.float(), b.float(), rtol=2 * ulp, atol=2 * ulp)
+
+    assert close(triton_ops.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
+    (a, ar), (b, br) = triton_ops.rms_norm(x, w, 1e-6, r), reference.rms_norm(x, w, 1e-6, r)
+    assert torch.equal(ar, br) and close(a, b)
+    y = torch.randn(37, 2 * 12288, dtype=dtype, device="cuda")
+    assert close(triton_ops.silu_and_mul(y), reference.silu_and_mul(y))
+    qkv = torch.randn(37, 48 * 128, dtype=dtype, device="cuda")
+    q, k = qkv[:, : 32 * 128].view(37, 32, 128), qkv[:, 32 * 128 : 40 * 128].view(37, 8, 128)
+    inv = 1.0 / (1e6 ** (torch.arange(0, 128, 2, device="cuda").float() / 128))
+    f = torch.randint(0, 40000, (37,), device="cuda").float()[:, None] * inv
+    cs = torch.cat((f.cos(), f.sin()), -1)
+    qw, kw = (
+        torch.randn(128, dtype=dtype, device="cuda"),
+        torch.randn(128, dtype=dtype, device="cuda"),
+    )
+    rq, rk = reference.qk_norm_rope(q.clone(), k.clone(), cs, 128, qw, kw, 1e-6)
+    tq, tk = triton_ops.qk_norm_rope(q, k, cs, 128, qw, kw, 1e-6)
+    for ours, ref in ((tq, rq), (tk, rk)):  # rotary rounds once instead of three times
+        err = ((ours.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+        assert err <= (4e-3 if dtype == torch.float16 else 3e-2), err

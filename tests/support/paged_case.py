@@ -55,7 +55,7 @@ class PagedCase:
         group = layer.num_heads // layer.num_kv_heads
         outs, t = [], 0
         for b, (c, n) in enumerate(zip(self.cached, self.new)):
-            q = self.q[t : t + n].double()  # [n, H, D]
+            q = self.q[t : t + n].double().cpu()  # [n, H, D]
             keys = self.keys[b].double().repeat_interleave(group, dim=1)  # [ctx, H, D]
             values = self.values[b].double().repeat_interleave(group, dim=1)
             scores = torch.einsum("qhd,khd->hqk", q, keys) * layer.scale
@@ -66,7 +66,7 @@ class PagedCase:
                 allowed &= kpos > qpos - layer.sliding_window
             scores = scores.masked_fill(~allowed, float("-inf"))
             if layer.sinks is not None:
-                sink = layer.sinks.double().view(-1, 1, 1).expand(-1, n, 1)
+                sink = layer.sinks.double().cpu().view(-1, 1, 1).expand(-1, n, 1)
                 probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
             else:
                 probs = torch.softmax(scores, dim=-1)

@@ -13,7 +13,7 @@ row are replayed in turn over 5 rounds, order rotated each round, each after 20 
 Our configs are tuned per (M bucket, shape) first (warm-up), then timed; next to them, the
 config a call gets without tuning (this GPU's shipped table, and the heuristic default), and a
 kernel that only reads the int4 weight.  ``--configs-out DIR`` writes the tuned configs as
-this GPU's table (quantfw/kernels/w4a16_tables.py).
+this GPU's table (quantfw/kernels/w4a16/tables.py).
 
 Writes <out>/w4a16-<gpu>-<date>.json, .md and .png.  Not a test: run on a GPU machine, e.g.
 ``python benchmarks/bench_w4a16.py --out benchmarks/results``.
@@ -38,18 +38,20 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from quantfw.kernels import w4a16 as W  # noqa: E402
-from quantfw.kernels import w4a16_tables as T  # noqa: E402
-from quantfw.kernels.triton import w4a16_kernels as TK  # noqa: E402
-from quantfw.kernels.triton.w4a16_tuning import (  # noqa: E402
+from quantfw.kernels.common.timing import (  # noqa: E402
     events_median,
     graph_time,
     graph_times,
     n_copies,
+)
+from quantfw.kernels.w4a16 import tables as T  # noqa: E402
+from quantfw.kernels.w4a16.configs import default_config  # noqa: E402
+from quantfw.kernels.w4a16.triton import dispatch as TK  # noqa: E402
+from quantfw.kernels.w4a16.triton.tuning import (  # noqa: E402
     packed_bytes,
     random_awq,
     rotated_timer,
 )
-from quantfw.kernels.w4a16_configs import default_config  # noqa: E402
 
 SHAPES = [  # name, K (in), N (out)
     ("qwen3-8b.qkv", 4096, 6144),
@@ -208,11 +210,14 @@ def bf16_extra(log):
     """Ours with bf16 activations next to fp16 (gate_up shape): time and error."""
     out = []
     K, N = 4096, 24576
-    packs = [random_awq(K, N, G, "cuda") for _ in range(3)]
-    wref = W.dequantize_packed(packs[0], torch.float32)
+    packs_by_dtype = {
+        dtype: [random_awq(K, N, G, "cuda", dtype) for _ in range(3)]
+        for dtype in (torch.float16, torch.bfloat16)
+    }
     for M in (1, 16, 1024):
         res = {}
-        for dtype in (torch.float16, torch.bfloat16):
+        for dtype, packs in packs_by_dtype.items():
+            wref = W.dequantize_packed(packs[0], torch.float32)
             x = torch.randn(M, K, device="cuda", dtype=dtype)
             ref = x.float() @ wref
             err = ((W.w4a16_matmul(x, packs[0]).float() - ref).norm() / ref.norm()).item()
@@ -311,7 +316,7 @@ def write_outputs(out_dir, meta, rows, extra, summary):
             "\nours: the config tune() picked in this run; read-only kernel: one that only reads "
             "the int4 weight's bytes (no math), timed alike; shipped table / heuristic: ours "
             "with the config a call gets without tune() (this GPU's table in "
-            "quantfw/kernels/configs, as it was before this run; else `default_config`).\n"
+            "quantfw/kernels/w4a16/tuned, as it was before this run; else `default_config`).\n"
         )
         f.write("\n" + "\n".join(f"- {s}" for s in summary) + "\n")
     try:
@@ -351,7 +356,7 @@ def main():
     ap.add_argument(
         "--configs-out",
         default=None,
-        help="folder to write this GPU's table of the configs tuned here (w4a16_tables format)",
+        help="folder to write this GPU's table of the configs tuned here (w4a16.tables format)",
     )
     args = ap.parse_args()
     torch.manual_seed(0)

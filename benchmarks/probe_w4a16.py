@@ -1,4 +1,4 @@
-"""Probes behind experiments 23-25 of docs/kernels-w4a16.md (CUDA only).
+"""Probes behind experiments 23-25 of benchmarks/w4a16-lab-log.md (CUDA only).
 
   python benchmarks/probe_w4a16.py splits  SHAPES M CONFIG...   # wg configs x forced split-K
   python benchmarks/probe_w4a16.py configs SHAPES M CONFIG...   # any kernel configs
@@ -24,9 +24,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import bench_w4a16 as B  # noqa: E402
 
-from quantfw.kernels.triton import w4a16_kernels as TK  # noqa: E402
-from quantfw.kernels.triton import w4a16_wgmma as WGM  # noqa: E402
-from quantfw.kernels.triton.w4a16_mma import split_plan  # noqa: E402
+from quantfw.kernels.w4a16.triton import dispatch as TK  # noqa: E402
+from quantfw.kernels.w4a16.triton import wgmma as WGM  # noqa: E402
+from quantfw.kernels.w4a16.triton.mma import split_plan  # noqa: E402
 
 
 def _forced_plan(split: int):

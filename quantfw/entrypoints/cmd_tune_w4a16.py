@@ -2,7 +2,7 @@
 per-rank linear shapes on this GPU and store them as this GPU model's config table.
 
 The shapes come from the model built on the meta device (no weights are read); each is timed
-on random weights rotated past L2 (``quantfw/kernels/triton/w4a16_tuning.py``).  Calls then
+on random weights rotated past L2 (``quantfw/kernels/w4a16/triton/tuning.py``).  Calls then
 pick the table up when ``QUANTFW_W4A16_CONFIG_DIR`` names the output folder."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from quantfw.kernels import w4a16_tables
+from quantfw.kernels.w4a16 import tables as w4a16_tables
 
 DEFAULT_MS = "1,4,16,64,256,1024,4096"
 
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     ms = sorted({int(m) for m in args.ms.split(",")})
     shapes = w4a16_shapes(args.model, args.tp, args.revision)
     print(f"{len(shapes)} shapes (N, K, G) at tp={args.tp}: {shapes}; M in {ms}")
-    from quantfw.kernels.triton.w4a16_tuning import tune_shapes
+    from quantfw.kernels.w4a16.triton.tuning import tune_shapes
 
     table = tune_shapes(shapes, ms, getattr(torch, args.dtype))
     name = torch.cuda.get_device_name()

@@ -68,7 +68,8 @@ def test_awq_fp16_cuda_graphs_match_eager(tiny_llama, tmp_path):
     )
 
     def uses_w4a16(llm):
-        layers = [m for m in llm.engine.runner.model.modules() if getattr(m, "w4a16_weight", None)]
+        model = llm.engine.runner.model
+        layers = [m for m in model.modules() if getattr(m, "w4a16_qweight", None) is not None]
         assert layers, "no layer runs the W4A16 kernels"
 
     outs = _greedy_with_and_without_graphs(awq, "float16", "sdpa", uses_w4a16)

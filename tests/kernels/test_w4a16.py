@@ -1,6 +1,6 @@
 """W4A16 layout transforms (CPU, run in CI) and the Triton kernels (GPU, marked ``gpu``).
 
-The reference here is deliberately independent of quantfw/kernels/w4a16.py: checkpoints are
+The reference here is deliberately independent of quantfw/kernels/w4a16/: checkpoints are
 packed and dequantized element by element from the format definitions (AutoAWQ, GPTQ v1/v2)."""
 
 from __future__ import annotations
@@ -270,7 +270,7 @@ def test_errors_name_the_problem():
 
 def test_dispatch_picks_kernels_by_m_shape_and_gpu():
     """Pure host logic: which kernel kind serves which M on Hopper and elsewhere."""
-    from quantfw.kernels.w4a16_configs import candidate_configs, default_config
+    from quantfw.kernels.w4a16.configs import candidate_configs, default_config
 
     def kind(M, N, K, hopper):
         return default_config(M, N, K, 128, hopper)[0]
@@ -292,7 +292,7 @@ def test_dispatch_picks_kernels_by_m_shape_and_gpu():
 def test_cpu_path_does_not_import_triton_kernels():
     packed = W.repack_awq(*make_awq(64, 16, 32, 1)[0], 32)
     W.w4a16_matmul(torch.randn(2, 64).half(), packed)
-    assert "quantfw.kernels.triton.w4a16_kernels" not in sys.modules
+    assert "quantfw.kernels.w4a16.triton.dispatch" not in sys.modules
 
 
 # --------------------------------------------------------------------------------------------
@@ -315,7 +315,7 @@ def _gpu_case(fmt, K, N, G, seed):
 
 
 def _gpu_check(packed, ref_w, M, dtype, seed, bias=True, config=None):
-    from quantfw.kernels.triton.w4a16_kernels import w4a16_matmul_cuda
+    from quantfw.kernels.w4a16.triton.dispatch import w4a16_matmul_cuda
 
     K, N = ref_w.shape
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -361,7 +361,7 @@ def test_gpu_dequant_path_ragged(fmt, K, N, G, dtype):
     """The ``deq`` path's dense ``[N, K]`` weight, element by element against the reference
     (padded K and N: the stores must stop at the true sizes and write every element), then
     its matmul with bias for every ``deq`` candidate."""
-    from quantfw.kernels.triton import w4a16_kernels as TK
+    from quantfw.kernels.w4a16.triton import dispatch as TK
 
     packed, ref_w = _gpu_case(fmt, K, N, G, seed=31)
     want = W.dequantize_packed(packed, torch.float32).t()
@@ -376,7 +376,7 @@ def test_gpu_dequant_path_ragged(fmt, K, N, G, dtype):
 @gpu
 @pytest.mark.parametrize("M", [1, 2, 4, 16, 64, 300])
 def test_gpu_every_candidate_config(M):
-    from quantfw.kernels.triton import w4a16_kernels as TK
+    from quantfw.kernels.w4a16.triton import dispatch as TK
 
     packed, ref_w = _gpu_case("awq", 1024, 768, 128, seed=5)
     x = torch.empty(M, 1024, device="cuda", dtype=torch.float16)
@@ -388,7 +388,7 @@ def test_gpu_every_candidate_config(M):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_split_k_leaves_workspace_clean(dtype):
     """Split-K CTAs meet in a shared fp32 workspace; the last one must leave it zeroed."""
-    from quantfw.kernels.triton import w4a16_mma as MK
+    from quantfw.kernels.w4a16.triton import mma as MK
 
     packed, ref_w = _gpu_case("awq", 4096, 512, 128, seed=8)
     for M in (1, 16, 40):
@@ -408,7 +408,7 @@ def test_gpu_mma_warps_along_k(dtype):
     """``wk`` warps of a CTA per column block sum different k ranges and meet in shared memory,
     with and without CTA split-K on top: ragged column tiles (NB not a multiple of warps / wk),
     K padded to 16 (600) and chunks past the end of K, 8- and 16-token tiles."""
-    from quantfw.kernels.triton import w4a16_mma as MK
+    from quantfw.kernels.w4a16.triton import mma as MK
 
     configs = [  # warps, chunk, ctas_per_sm, pipe, fold, wk
         (4, 8, 4, False, True, 2),
@@ -476,8 +476,8 @@ def test_gpu_wgmma_kernel(fmt, K, G, dtype):
 
 @gpu
 def test_gpu_wgmma_split_k_leaves_workspace_clean():
-    from quantfw.kernels.triton import w4a16_mma as MK
-    from quantfw.kernels.triton import w4a16_wgmma as WK
+    from quantfw.kernels.w4a16.triton import mma as MK
+    from quantfw.kernels.w4a16.triton import wgmma as WK
 
     _needs_hopper()
     packed, ref_w = _gpu_case("awq", 4096, 520, 128, seed=8)
@@ -497,7 +497,7 @@ def test_gpu_wgmma_split_k_leaves_workspace_clean():
 
 @gpu
 def test_gpu_wgmma_rejects_unsupported_tiles():
-    from quantfw.kernels.triton.w4a16_wgmma import w4a16_wgmma_matmul
+    from quantfw.kernels.w4a16.triton.wgmma import w4a16_wgmma_matmul
 
     _needs_hopper()
     packed, _ = _gpu_case("awq", 1024, 256, 128, seed=3)
@@ -536,8 +536,8 @@ def test_gpu_ring_kernel(fmt, K, G, dtype):
 
 @gpu
 def test_gpu_ring_split_k_leaves_workspace_clean():
-    from quantfw.kernels.triton import w4a16_mma as MK
-    from quantfw.kernels.triton import w4a16_ring as RK
+    from quantfw.kernels.w4a16.triton import mma as MK
+    from quantfw.kernels.w4a16.triton import ring as RK
 
     _needs_hopper()
     packed, ref_w = _gpu_case("awq", 4096, 512, 128, seed=8)

@@ -8,8 +8,8 @@ import pytest
 
 from quantfw.entrypoints.cli import main
 from quantfw.entrypoints.cmd_tune_w4a16 import w4a16_shapes
-from quantfw.kernels import w4a16_configs as C
-from quantfw.kernels import w4a16_tables as T
+from quantfw.kernels.w4a16 import configs as C
+from quantfw.kernels.w4a16 import tables as T
 
 MMA = ("mma", 4, 8, 8, False, True, 4)
 WG = ("wg", 256, 2, 4, 3, 1)
@@ -19,9 +19,9 @@ DEQ = ("deq", 8, 4)
 @pytest.fixture
 def no_user_dir(monkeypatch):
     monkeypatch.delenv(T.ENV_DIR, raising=False)
-    T._tables.cache_clear()
+    T.TABLES.cache_clear()
     yield
-    T._tables.cache_clear()
+    T.TABLES.cache_clear()
 
 
 def test_check_config_accepts_every_candidate_and_names_what_is_wrong():
@@ -149,8 +149,8 @@ def test_gpu_tuned_table_serves_untuned_calls(tmp_path, monkeypatch, no_user_dir
     import torch
 
     from quantfw.kernels import w4a16 as W
-    from quantfw.kernels.triton import w4a16_kernels as TK
-    from quantfw.kernels.triton.w4a16_tuning import random_awq, tune_shapes
+    from quantfw.kernels.w4a16.triton import dispatch as TK
+    from quantfw.kernels.w4a16.triton.tuning import random_awq, tune_shapes
 
     N, K, G = 384, 512, 128
     table = tune_shapes([(N, K, G)], [1, 64], log=lambda s: None)

@@ -45,7 +45,7 @@ def test_cuda_layers_match_reference(name, dtype, tol, exported, quant_ref):
         checked += 1
     assert checked == 8
     fused = name != "gptq3_v1_g128"
-    runtime = "w4a16_weight" if dtype != torch.float32 else "int4_weight"
+    runtime = "w4a16_qweight" if dtype != torch.float32 else "int4_weight"
     assert all(hasattr(m, runtime) == fused for m in _quantized(model))
 
 

@@ -21,6 +21,7 @@ from quantfw.layers.quantization.base import (
     QuantizationConfig,
     QuantizeMethodBase,
     UnquantizedLinearMethod,
+    replace_with_buffers,
 )
 from quantfw.layers.sharding import set_weight_attrs
 
@@ -156,21 +157,28 @@ class AWQLinearMethod(LinearMethodBase):
         layer.awq_group_size = group_size
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        if int4.w4a16_available(layer.qweight.device, layer.scales.dtype):
+        qweight, qzeros, scales = layer.qweight.data, layer.qzeros.data, layer.scales.data
+        if int4.w4a16_available(qweight.device, scales.dtype):
             # the Triton kernels read AWQ's own layout: no repack of the weight
-            packed = w4a16.repack_awq(
-                layer.qweight.data, layer.qzeros.data, layer.scales.data, layer.awq_group_size
-            )
-            int4.attach_w4a16(layer, packed)
-            int4.drop_parameters(layer, _PARAMS)
+            packed = w4a16.repack_awq(qweight, qzeros, scales, layer.awq_group_size, scales.dtype)
+            int4.attach_w4a16(layer, packed, _PARAMS)
             return
-        if not torch_ops.fused_int4_available(layer.qweight.device):
-            return  # apply dequantizes on the fly
-        codes = reference.unpack_awq(layer.qweight.data)
-        zeros = reference.unpack_awq(layer.qzeros.data)
+        if not torch_ops.fused_int4_available(qweight.device):
+            # apply dequantizes on the fly
+            replace_with_buffers(
+                layer, _PARAMS, {"qweight": qweight, "qzeros": qzeros, "scales": scales}
+            )
+            return
+        codes = reference.unpack_awq(qweight)
+        zeros = reference.unpack_awq(qzeros)
         g_idx = reference.group_index(codes.shape[0], layer.awq_group_size, codes.device)
-        int4.attach_int4pack(layer, codes, zeros, layer.scales.data, g_idx, layer.scales.dtype)
-        int4.drop_parameters(layer, _PARAMS)
+        int4.attach_int4pack(layer, codes, zeros, scales, g_idx, scales.dtype, _PARAMS)
+
+    def runtime_nbytes(self, layer: nn.Module) -> int:
+        k, n = layer.input_size_per_partition, layer.output_size_per_partition
+        groups = 1 if layer.awq_group_size == -1 else k // layer.awq_group_size
+        checkpoint = k * n // 2 + groups * n // 2 + groups * n * layer.params_dtype.itemsize
+        return int4.runtime_nbytes(layer, checkpoint)
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None

@@ -37,6 +37,24 @@ class QuantizeMethodBase(ABC):
     ) -> torch.Tensor:
         """Compute the layer's output for activations `x` of shape [..., input_size_per_partition]."""
 
+    def runtime_nbytes(self, layer: nn.Module) -> int:
+        """Bytes of the tensors `layer` keeps for its weight after process_weights_after_loading
+        (bias excluded), from the layer's sizes and the method's layout: what memory accounting
+        can expect its parameters and buffers to hold."""
+        raise NotImplementedError(f"{type(self).__name__} does not report runtime_nbytes")
+
+
+def replace_with_buffers(
+    layer: nn.Module, drop: tuple[str, ...], buffers: dict[str, torch.Tensor | None]
+) -> None:
+    """Drop the checkpoint-layout parameters `drop` of `layer` and register `buffers` (runtime
+    tensors; None is allowed) as non-persistent buffers, so ``model.to()``, ``named_buffers()``
+    and memory accounting see them and state dicts do not."""
+    for name in drop:
+        delattr(layer, name)
+    for name, tensor in buffers.items():
+        layer.register_buffer(name, tensor, persistent=False)
+
 
 class LinearMethodBase(QuantizeMethodBase):
     """A method for linear layers."""
@@ -66,6 +84,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         return F.linear(x, layer.weight, bias)
+
+    def runtime_nbytes(self, layer: nn.Module) -> int:
+        return layer.weight.numel() * layer.weight.element_size()
 
 
 class QuantizationConfig(ABC):

@@ -28,6 +28,7 @@ from quantfw.layers.quantization.base import (
     QuantizationConfig,
     QuantizeMethodBase,
     UnquantizedLinearMethod,
+    replace_with_buffers,
 )
 from quantfw.layers.sharding import set_weight_attrs
 
@@ -177,6 +178,7 @@ class GPTQLinearMethod(LinearMethodBase):
         # the first group of this rank's rows when scales are sharded by whole groups
         first = input_size_per_partition * layer.tp_rank if in_sharded else 0
         layer.gptq_group_offset = first // group_size if groups_sharded else 0
+        layer.gptq_num_groups = num_groups
         g_idx = nn.Parameter(
             torch.empty(input_size_per_partition, dtype=torch.int32), requires_grad=False
         )
@@ -211,26 +213,39 @@ class GPTQLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         cfg = self.config
         g = self._local_groups(layer)
-        if cfg.bits == 4 and int4.w4a16_available(layer.qweight.device, layer.scales.dtype):
+        qweight, qzeros, scales = layer.qweight.data, layer.qzeros.data, layer.scales.data
+        if cfg.bits == 4 and int4.w4a16_available(qweight.device, scales.dtype):
             packed = w4a16.repack_gptq(
-                layer.qweight.data,
-                layer.qzeros.data,
-                layer.scales.data,
+                qweight,
+                qzeros,
+                scales,
                 g,
                 cfg.group_size,
                 sym=cfg.sym,
                 checkpoint_format=cfg.checkpoint_format,
+                dtype=scales.dtype,
             )
-            int4.attach_w4a16(layer, packed)
-            int4.drop_parameters(layer, _PARAMS)
+            int4.attach_w4a16(layer, packed, _PARAMS)
             return
-        if cfg.bits != 4 or not torch_ops.fused_int4_available(layer.qweight.device):
-            layer.g_idx.data.copy_(g)  # apply dequantizes on the fly with local groups
+        if cfg.bits != 4 or not torch_ops.fused_int4_available(qweight.device):
+            # apply dequantizes on the fly with the rank's local groups
+            kept = {"qweight": qweight, "qzeros": qzeros, "scales": scales}
+            replace_with_buffers(layer, _PARAMS, {**kept, "g_idx": g.to(torch.int32)})
             return
-        codes = reference.unpack_int32(layer.qweight.data, 4, dim=0)
-        zeros = reference.unpack_int32(layer.qzeros.data, 4, dim=1) + cfg.zero_offset
-        int4.attach_int4pack(layer, codes, zeros, layer.scales.data, g, layer.scales.dtype)
-        int4.drop_parameters(layer, _PARAMS)
+        codes = reference.unpack_int32(qweight, 4, dim=0)
+        zeros = reference.unpack_int32(qzeros, 4, dim=1) + cfg.zero_offset
+        int4.attach_int4pack(layer, codes, zeros, scales, g, scales.dtype, _PARAMS)
+
+    def runtime_nbytes(self, layer: nn.Module) -> int:
+        k, n = layer.input_size_per_partition, layer.output_size_per_partition
+        bits, groups = self.config.bits, layer.gptq_num_groups
+        checkpoint = (
+            k * bits // 32 * n * 4
+            + groups * n * bits // 32 * 4
+            + groups * n * layer.params_dtype.itemsize
+            + k * 4
+        )
+        return int4.runtime_nbytes(layer, checkpoint)
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None

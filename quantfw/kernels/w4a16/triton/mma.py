@@ -1,6 +1,6 @@
 """Gluon kernel for W4A16 at small M: dequantize in registers straight into mma fragments.
 
-Layout (built once by ``pack_mma`` / ``pack_mma_scales`` in quantfw/kernels/w4a16.py; docs/kernels-w4a16.md):
+Layout (built once by ``pack_mma`` / ``pack_mma_scales`` in quantfw/kernels/w4a16/layout.py; docs/kernels-w4a16.md):
 
 * ``qf`` int32 ``[N/64, K/16, 32, 4]``: the 32-bit word ``j`` of lane ``l = 4*g + c`` in block
   ``(nb, kb)`` holds, for ``n0 = 64*nb + 16*j + g`` and ``n1 = n0 + 8``, the 8 values an

@@ -1,4 +1,4 @@
-"""Gluon kernel for W4A16 at small M on Hopper: the ``mma.sync`` kernel of w4a16_mma.py with
+"""Gluon kernel for W4A16 at small M on Hopper: the ``mma.sync`` kernel of mma.py with
 the weight words brought in by TMA through a shared-memory ring.
 
 The small-M kernel loads each chunk's words into registers and waits for them before computing
@@ -11,10 +11,8 @@ CTA's ``W`` blocks x ``CH`` k16 steps of words (``W x CH x 512`` bytes, a box of
 loads (from global memory, one chunk ahead in registers) and the split-K epilogue are those of
 the small-M kernel.  Each CTA runs a contiguous range of chunks.
 
-Measured on H200 (docs/kernels-w4a16.md): faster than the small-M kernel with one warp per
-column block on weights up to 4096 x 4096 at 4..16 tokens (experiments 21-22), slower than it
-with several warps per block (``wk``) on every probed row (experiment 26), so it is only a
-tuning candidate now.
+A tuning candidate for M <= 16 on Hopper (never a default; measurements in
+benchmarks/w4a16-lab-log.md).
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from quantfw.kernels.triton.w4a16_mma import (
+from quantfw.kernels.w4a16.triton.mma import (
     _chunk,
     _num_sms,
     _workspace,

@@ -1,18 +1,14 @@
-"""W4A16 (4-bit weight, 16-bit activation) matmul for AWQ and GPTQ checkpoints.
+"""The W4A16 packed layout: repacking AWQ / GPTQ checkpoint tensors into it, and its CPU twin.
 
-Pure tensor functions, no nn.Module.  A quantization method calls, once at load time,
+Pure tensor functions, no Triton. A quantization method calls, once at load time,
 
     packed = repack_awq(qweight, qzeros, scales, group_size)
     packed = repack_gptq(qweight, qzeros, scales, g_idx, group_size, sym, checkpoint_format)
 
-and then, per forward,
+and ``w4a16_matmul`` (matmul.py) per forward. ``dequantize_packed`` reads the very same packed
+layout back: the CPU twin of every layout transform.
 
-    out = w4a16_matmul(x, packed, bias)
-
-which runs the GPU kernels (quantfw/kernels/triton/) on CUDA and, on CPU, a reference path (dequantize + matmul)
-that reads the very same packed layout: the CPU twin of every layout transform.
-
-Packed layout (see docs/kernels-w4a16.md and quantfw/kernels/triton/w4a16_mma.py): the words
+Packed layout (see docs/kernels-w4a16.md and quantfw/kernels/w4a16/triton/mma.py): the words
 are arranged so that each GPU lane's 128-bit load holds exactly the ``mma.m16n8k16`` fragment
 nibbles it needs (``pack_mma``; a word is the B fragment of two 8-column tiles, or equally the
 A fragment of one 16-column tile, which is how the kernel uses it), and scale + zero of a column share one 32-bit word in the
@@ -25,7 +21,7 @@ the act-order row permutation (None when rows are already in group order).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -34,10 +30,12 @@ PACK = 8
 NIBBLE_OF = (0, 4, 1, 5, 2, 6, 3, 7)
 
 __all__ = [
+    "MMA_BLOCK_K",
+    "MMA_BLOCK_N",
+    "NIBBLE_OF",
     "PackedW4",
     "repack_awq",
     "repack_gptq",
-    "w4a16_matmul",
     "dequantize_packed",
     "pack_mma",
     "unpack_mma",
@@ -54,37 +52,31 @@ class PackedW4:
     """A 4-bit weight in the kernels' layout (see module docstring)."""
 
     qweight: torch.Tensor  # int32 [ceil(N/64), ceil(K/16), 32, 4]  (pack_mma)
-    scales_zeros: torch.Tensor  # int32 [n_groups, ceil(N/64), 8, 8], fp16 halves (pack_mma_scales)
+    scales_zeros: torch.Tensor  # int32 [n_groups, ceil(N/64), 8, 8], `dtype` halves
     group_size: int  # rows per group after any act-order sort (K when per-channel)
     in_features: int
     out_features: int
     perm: torch.Tensor | None = None  # int64 [K]: x columns to gather (act-order), or None
-    _sz_by_dtype: dict = field(default_factory=dict, repr=False, compare=False)
+    dtype: torch.dtype = torch.float16  # activation dtype the scales_zeros halves are in
 
     @property
     def num_groups(self) -> int:
         return self.scales_zeros.shape[0]
 
     def scales_zeros_as(self, dtype: torch.dtype) -> torch.Tensor:
-        """scales_zeros with both halves in the activation dtype (bf16: converted once, cached)."""
-        if dtype == torch.float16:
+        """scales_zeros with both halves in the activation dtype `dtype` (converted per call
+        when it is not the dtype the weight was packed for)."""
+        if dtype == self.dtype:
             return self.scales_zeros
-        cached = self._sz_by_dtype.get(dtype)
-        if cached is None or cached.device != self.scales_zeros.device:
-            s, z = unpack_mma_scales(self.scales_zeros)
-            cached = pack_mma_scales(s, z, dtype)
-            self._sz_by_dtype[dtype] = cached
-        return cached
+        s, z = unpack_mma_scales(self.scales_zeros, self.dtype)
+        return pack_mma_scales(s, z, dtype)
 
     def to(self, device) -> PackedW4:
-        perm = None if self.perm is None else self.perm.to(device)
-        return PackedW4(
-            self.qweight.to(device),
-            self.scales_zeros.to(device),
-            self.group_size,
-            self.in_features,
-            self.out_features,
-            perm,
+        return replace(
+            self,
+            qweight=self.qweight.to(device),
+            scales_zeros=self.scales_zeros.to(device),
+            perm=None if self.perm is None else self.perm.to(device),
         )
 
 
@@ -139,9 +131,13 @@ def _check_2d(name: str, t: torch.Tensor, shape: tuple[int, int], dtype=None) ->
 
 
 def repack_awq(
-    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    dtype: torch.dtype = torch.float16,
 ) -> PackedW4:
-    """AWQ (GEMM format) checkpoint tensors -> PackedW4.
+    """AWQ (GEMM format) checkpoint tensors -> PackedW4 for activations in `dtype`.
 
     qweight int32 [K, N/8] and qzeros int32 [K/G, N/8] packed along N in AutoAWQ's nibble order,
     scales fp16 [K/G, N]; w = (q - z) * s.  The nibbles are unpacked and rearranged into mma
@@ -153,7 +149,7 @@ def repack_awq(
     _check_2d("awq qweight", qweight, (K, n8), torch.int32)
     _check_2d("awq qzeros", qzeros, (ng, n8), torch.int32)
     _check_2d("awq scales", scales, (ng, N))
-    return _pack(unpack_cols(qweight), unpack_cols(qzeros), scales, G, None)
+    return _pack(unpack_cols(qweight), unpack_cols(qzeros), scales, G, None, dtype)
 
 
 def repack_gptq(
@@ -164,8 +160,9 @@ def repack_gptq(
     group_size: int,
     sym: bool = True,
     checkpoint_format: str = "gptq",
+    dtype: torch.dtype = torch.float16,
 ) -> PackedW4:
-    """GPTQ checkpoint tensors -> PackedW4.
+    """GPTQ checkpoint tensors -> PackedW4 for activations in `dtype`.
 
     qweight int32 [K/8, N] packed along K (nibble i of word [r, n] = row 8r+i), qzeros int32
     [n_groups, N/8] packed along N in sequential order, holding z-1 for ``checkpoint_format``
@@ -226,64 +223,42 @@ def repack_gptq(
     n_chunks = math.ceil(K / geff)
     chunk_group = g[torch.arange(n_chunks, device=dev) * geff]
     # every row of a chunk must share its group (true by construction of geff)
-    return _pack(q, z[chunk_group], scales[chunk_group], geff, perm)
+    return _pack(q, z[chunk_group], scales[chunk_group], geff, perm, dtype)
 
 
 def _pack(
-    q: torch.Tensor, z: torch.Tensor, scales: torch.Tensor, G: int, perm: torch.Tensor | None
+    q: torch.Tensor,
+    z: torch.Tensor,
+    scales: torch.Tensor,
+    G: int,
+    perm: torch.Tensor | None,
+    dtype: torch.dtype,
 ) -> PackedW4:
-    """q [K, N], z / scales [n_groups, N] -> PackedW4, padding K to 16 and N to 64."""
+    """q [K, N], z / scales [n_groups, N] -> PackedW4, padding K to 16 and N to 64; scales are
+    rounded to fp16 (the checkpoints' dtype), then stored in the activation dtype `dtype`."""
     K, N = q.shape
     kp, np_ = -K % MMA_BLOCK_K, -N % MMA_BLOCK_N
     q = torch.nn.functional.pad(q.to(torch.uint8), (0, np_, 0, kp))
     z = torch.nn.functional.pad(z.to(torch.int32), (0, np_))
     scales = torch.nn.functional.pad(scales.to(torch.float16), (0, np_))
-    return PackedW4(pack_mma(q), pack_mma_scales(scales, z, torch.float16), G, K, N, perm)
+    return PackedW4(pack_mma(q), pack_mma_scales(scales, z, dtype), G, K, N, perm, dtype)
 
 
 # ---------------------------------------------------------------------------------------------
-# the CPU twin: dequantize the packed layout, and the reference matmul
+# the CPU twin: dequantize the packed layout
 
 
 def dequantize_packed(packed: PackedW4, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[K, N] weight in the packed (sorted) row order, computed from the packed layout."""
     K, N = packed.in_features, packed.out_features
     q = unpack_mma(packed.qweight)[:K, :N].to(torch.float32)
-    s, z = unpack_mma_scales(packed.scales_zeros)
+    s, z = unpack_mma_scales(packed.scales_zeros, packed.dtype)
     rows = torch.arange(K, device=q.device) // packed.group_size
     return ((q - z[rows, :N]) * s[rows, :N]).to(dtype)
 
 
-def _reference_matmul(x2: torch.Tensor, packed: PackedW4) -> torch.Tensor:
-    w = dequantize_packed(packed, torch.float32)
-    return x2.to(torch.float32) @ w
-
-
-def w4a16_matmul(
-    x: torch.Tensor, packed: PackedW4, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """out[..., N] = x[..., K] @ W (+ bias), in x's dtype (fp16 or bf16)."""
-    K, N = packed.in_features, packed.out_features
-    if x.shape[-1] != K:
-        raise ValueError(f"w4a16_matmul: x has {x.shape[-1]} input features, weight has {K}")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, K)
-    if packed.perm is not None:
-        x2 = x2.index_select(1, packed.perm)
-    if x.is_cuda:
-        from quantfw.kernels.triton.w4a16_kernels import w4a16_matmul_cuda
-
-        out = w4a16_matmul_cuda(x2.contiguous(), packed, bias)
-    else:
-        out = _reference_matmul(x2, packed)
-        if bias is not None:
-            out = out + bias.to(torch.float32)
-        out = out.to(x.dtype)
-    return out.reshape(*lead, N)
-
-
 # ---------------------------------------------------------------------------------------------
-# the mma-fragment layout of the small-M Gluon kernel (quantfw/kernels/triton/w4a16_mma.py)
+# the mma-fragment layout of the small-M Gluon kernel (quantfw/kernels/w4a16/triton/mma.py)
 
 MMA_BLOCK_N = 64  # output columns per block: 4 words x 2 mma tiles of 8 columns per lane
 MMA_BLOCK_K = 16  # k per mma step

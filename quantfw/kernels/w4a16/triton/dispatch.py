@@ -1,25 +1,25 @@
-"""W4A16 on CUDA over the PackedW4 layout (see quantfw/kernels/w4a16.py): dispatch and tuning.
+"""W4A16 on CUDA over the PackedW4 layout (quantfw/kernels/w4a16/layout.py): dispatch, tuning.
 
 Four paths, chosen per M bucket and shape by a cached config (see tune()):
 
 * ``("mma", warps, chunk, ctas_per_sm, pipe, fold, wk)`` (M <= 16, and to 64 off Hopper):
-  the Gluon kernel of ``w4a16_mma.py``; weights are dequantized in registers straight into
+  the Gluon kernel of ``mma.py``; weights are dequantized in registers straight into
   ``mma.sync`` fragments (``fold``: zero and scale applied once per group on the fp32 sums;
   ``pipe``: the next chunk prefetched in registers; ``wk`` warps of a CTA per column block,
   each a k range, summed in shared memory), split-K partials of CTAs meet in a self-cleaning
   fp32 workspace inside the one launch.
 * ``("ring", warps, chunk, stages, ctas_per_sm)`` (Hopper, M <= 16: a tuning candidate): the
   same math with the weight words brought in by TMA through a ``stages``-deep shared-memory
-  ring (``w4a16_ring.py``).
+  ring (``ring.py``).
 * ``("wg", tokens, warpgroups, ks, stages, ctas_per_sm)`` (M > 16 on Hopper): the
-  Gluon kernel of ``w4a16_wgmma.py``; weights dequantized in registers as the A operand of
+  Gluon kernel of ``wgmma.py``; weights dequantized in registers as the A operand of
   ``wgmma``, x tiles brought in by TMA, ``stages`` deep.
 * ``("deq", BLOCK_KB, warps)`` (larger M elsewhere, and a tuning candidate on Hopper):
   ``_w4a16_dequant_kernel`` writes a transient ``[N, K]`` buffer in the activation dtype
   (freed after the call; never kept), then cuBLAS through ``F.linear``.
 
 A call's config: the one ``tune()`` cached for its (M bucket, shape, dtype) in this process,
-else the tuned table shipped for this GPU model (``w4a16_tables``), else the heuristic
+else the tuned table shipped for this GPU model (``w4a16.tables``), else the heuristic
 ``default_config``; resolved once per key, then a dict lookup.  Nothing here synchronizes with
 the host, so a call is safe under CUDA graph capture once its config has been compiled (warm up
 every M bucket before capturing).
@@ -33,8 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
-from quantfw.kernels.w4a16_configs import candidate_configs, default_config, m_bucket
-from quantfw.kernels.w4a16_tables import untuned_config
+from quantfw.kernels.common.timing import fastest_config
+from quantfw.kernels.w4a16.configs import candidate_configs, default_config, m_bucket
+from quantfw.kernels.w4a16.layout import dequantize_packed
+from quantfw.kernels.w4a16.tables import untuned_config
 
 
 @triton.jit
@@ -59,7 +61,7 @@ def _w4a16_dequant_kernel(
     """Dequantize a [16 * BLOCK_KB, 64] tile: coalesced word loads, nibbles put back in [K, N]
     order with join/permute, stored transposed into ``[N, K]`` rows of 16 * BLOCK_KB values
     (Triton routes the store through shared memory).  ``[N, K]`` because cuBLAS is faster on
-    it than on ``[K, N]`` for some shapes (experiment 27 of docs/kernels-w4a16.md)."""
+    it than on ``[K, N]`` for some shapes."""
     nb = tl.program_id(0)
     kb0 = tl.program_id(1) * BLOCK_KB
     kb = kb0 + tl.arange(0, BLOCK_KB)
@@ -113,8 +115,6 @@ _KERNEL_OK: dict[tuple, bool] = {}
 
 
 def _fallback(x2, packed, bias):
-    from quantfw.kernels.w4a16 import dequantize_packed
-
     w = dequantize_packed(packed, x2.dtype)
     out = x2 @ w
     return out if bias is None else out + bias
@@ -127,19 +127,19 @@ def _launch(x2, packed, bias, cfg):
     N, G = packed.out_features, packed.group_size
     sz = packed.scales_zeros_as(x2.dtype)
     if cfg[0] == "mma":
-        from quantfw.kernels.triton.w4a16_mma import w4a16_mma_matmul
+        from quantfw.kernels.w4a16.triton.mma import w4a16_mma_matmul
 
         _, warps, chunk, cps, pipe, fold, wk = cfg
         return w4a16_mma_matmul(
             x2, packed.qweight, sz, N, G, bias, warps, chunk, cps, pipe, fold, wk
         )
     if cfg[0] == "ring":
-        from quantfw.kernels.triton.w4a16_ring import w4a16_ring_matmul
+        from quantfw.kernels.w4a16.triton.ring import w4a16_ring_matmul
 
         _, warps, chunk, stages, cps = cfg
         return w4a16_ring_matmul(x2, packed.qweight, sz, N, G, bias, warps, chunk, stages, cps)
     if cfg[0] == "wg":
-        from quantfw.kernels.triton.w4a16_wgmma import w4a16_wgmma_matmul
+        from quantfw.kernels.w4a16.triton.wgmma import w4a16_wgmma_matmul
 
         _, bt, nwg, ks, stages, cps = cfg
         return w4a16_wgmma_matmul(x2, packed.qweight, sz, N, G, bias, bt, nwg, ks, stages, cps)
@@ -191,7 +191,7 @@ def _run(x2, packed, bias, cfg):
 try:  # Gluon's Hopper API (TMA, wgmma) is missing from older Tritons
     from triton.experimental.gluon.language.nvidia import hopper as _gluon_hopper  # noqa: F401
 
-    from quantfw.kernels.triton.w4a16_mma import is_sm90 as _is_sm90
+    from quantfw.kernels.w4a16.triton.mma import is_sm90 as _is_sm90
 except ImportError:
     _is_sm90 = None
 
@@ -230,27 +230,13 @@ def tune(x2, packed, bias=None, rep_ms: float = 20.0, bench=None) -> tuple:
     Done once per bucket at warm-up; the hot path then only does a dict lookup. `bench(cfg)`,
     when given, returns the time of one call with `cfg`: pass one that rotates weight copies
     past L2, because timing one copy (the default) favours configs that only win when the
-    weight is cached (seen on H200: a config 3x slower on cold weights was picked)."""
-    import triton.testing
-
-    M = x2.shape[0]
-    best, best_t = None, float("inf")
-    for cfg in candidate_configs(M, _is_hopper(x2)):
-        try:
-            w4a16_matmul_cuda(x2, packed, bias, config=cfg)
-            if bench is None:
-                t = triton.testing.do_bench(
-                    lambda cfg=cfg: w4a16_matmul_cuda(x2, packed, bias, config=cfg),
-                    warmup=5,
-                    rep=rep_ms,
-                    return_mode="median",
-                )
-            else:
-                t = bench(cfg)
-        except Exception:  # a config the compiler rejects (shared memory, registers): skip it
-            continue
-        if t < best_t:
-            best, best_t = cfg, t
+    weight is cached."""
+    best = fastest_config(
+        candidate_configs(x2.shape[0], _is_hopper(x2)),
+        lambda cfg: w4a16_matmul_cuda(x2, packed, bias, config=cfg),
+        bench,
+        rep_ms,
+    )
     if best is not None:
         _CONFIG_CACHE[_key(x2, packed)] = best
     return best

@@ -1,7 +1,7 @@
 """Gluon kernel for W4A16 on Hopper at larger M: dequantized weights as the register A operand
 of ``wgmma``, x streamed by TMA.
 
-Same packed layout as the ``mma.sync`` kernel (``pack_mma``; see w4a16_mma.py): in block
+Same packed layout as the ``mma.sync`` kernel (``pack_mma``; see mma.py): in block
 ``(nb, kb)`` lane ``l = 4g + c`` holds 4 words, word ``j`` being its ``m16n8k16`` A fragment for
 the 16 columns ``64 nb + 16 j + (0..15)``.  A ``wgmma`` A tile is 64 rows (4 warps x 16), so
 each warpgroup owns one 64-column block: its warp ``w`` takes word ``j = w`` and accumulator
@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from quantfw.kernels.triton.w4a16_mma import (
+from quantfw.kernels.w4a16.triton.mma import (
     _finish_tile,
     _num_sms,
     _workspace,
@@ -300,7 +300,7 @@ def w4a16_wgmma_matmul(
     in flight."""
     M, K = x2.shape
     NB, KB = qf.shape[:2]
-    if nwg not in (1, 2):  # 4 (16 warps): correct, 1.2-1.4x slower (docs, experiment 24)
+    if nwg not in (1, 2):  # 4 (16 warps) is correct but slower on H200
         raise ValueError(f"w4a16 wgmma kernel: nwg = {nwg}; supported: 1, 2")
     if ks not in (1, 2, 4):  # _a_stage assembles A from at most 4 k16 steps
         raise ValueError(f"w4a16 wgmma kernel: ks = {ks}; supported: 1, 2, 4")

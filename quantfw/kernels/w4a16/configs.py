@@ -1,13 +1,18 @@
 """Kernel configs for W4A16 on CUDA: the default per (M, shape, GPU) and the candidates that
-``tune()`` times (quantfw/kernels/triton/w4a16_kernels.py).  Pure Python, so the choice is
+``tune()`` times (quantfw/kernels/w4a16/triton/dispatch.py).  Pure Python, so the choice is
 tested without a GPU or Triton.
 
 Config tuples: ``("mma", warps, chunk, ctas_per_sm, pipe, fold, wk)``, ``("ring", warps, chunk,
 stages, ctas_per_sm)``, ``("wg", tokens, warpgroups, ks, stages, ctas_per_sm)``, ``("deq",
-k16_steps_per_program, warps)``; docs/kernels-w4a16.md has the measurements behind them.
+k16_steps_per_program, warps)``. The defaults and candidates were chosen from H200
+measurements (benchmarks/w4a16-lab-log.md).
 """
 
 from __future__ import annotations
+
+from quantfw.kernels.common.tables import check_fields, m_bucket
+
+__all__ = ["CONFIG_FIELDS", "candidate_configs", "check_config", "default_config", "m_bucket"]
 
 MMA_MAX_M = 64
 WG_MIN_M = 17  # below this the mma.sync kernel's 8/16-token tiles waste less
@@ -26,36 +31,11 @@ CONFIG_FIELDS: dict[str, tuple[tuple[str, type], ...]] = {
 
 def check_config(cfg: tuple, where: str = "w4a16 config") -> tuple:
     """``cfg`` if it is a well-formed config tuple; a ValueError naming ``where`` otherwise."""
-    kind = cfg[0] if cfg else None
-    fields = CONFIG_FIELDS.get(kind) if isinstance(kind, str) else None
-    if fields is None:
-        raise ValueError(
-            f"{where}: unknown kernel kind {kind!r}; kinds: {', '.join(CONFIG_FIELDS)}"
-        )
-    want = f"({kind!r}, {', '.join(n for n, _ in fields)})"
-    if len(cfg) != 1 + len(fields):
-        raise ValueError(f"{where}: {list(cfg)} has {len(cfg) - 1} fields, {kind} takes {want}")
-    for value, (name, typ) in zip(cfg[1:], fields):
-        ok = (
-            isinstance(value, bool)
-            if typ is bool
-            else (isinstance(value, int) and not isinstance(value, bool) and value > 0)
-        )
-        if not ok:
-            kind_of = "True/False" if typ is bool else "a positive integer"
-            raise ValueError(f"{where}: {name}={value!r} in {list(cfg)} must be {kind_of}; {want}")
-    return tuple(cfg)
-
-
-def m_bucket(M: int) -> int:
-    """Configs are chosen per power-of-two bucket of the token count M."""
-    return 1 << max(0, (M - 1).bit_length())
+    return check_fields(cfg, CONFIG_FIELDS, where)
 
 
 def default_config(M: int, N: int, K: int, G: int, hopper: bool = False) -> tuple:
     # the mma configs with the lowest mean ratio to the best one over the probed H200 rows
-    # (docs/kernels-w4a16.md, experiment 26): 1.10x at M = 1 and 4, 1.11x at M = 16 and
-    # over M = 32 and 64
     if M <= 8:
         return MMA_SMALL[0]
     if M < WG_MIN_M:
@@ -84,7 +64,7 @@ _WG_DEFAULT[1024] = _WG[1024][0]
 
 
 # ("mma", warps, k16 steps per chunk, ctas_per_sm, pipe, fold, wk (warps per column block))
-MMA_SMALL = [  # M <= 16: every probed H200 row has one within 3% of its best (experiment 26)
+MMA_SMALL = [  # M <= 16: every probed H200 row has one within 3% of its best
     ("mma", 4, 8, 8, False, True, 4),
     ("mma", 8, 4, 2, False, True, 8),
     ("mma", 16, 4, 1, False, True, 16),

@@ -1,1 +1,0 @@
-"""Triton kernels (imported lazily: only when activations are on CUDA)."""

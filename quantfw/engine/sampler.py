@@ -61,11 +61,33 @@ def sample_one(logits: torch.Tensor, seq: Sequence) -> int:
     return int(torch.multinomial(probs.cpu(), 1, generator=seq.generator).item())
 
 
+def _plain_greedy(params: SamplingParams) -> bool:
+    """Greedy with nothing that changes the logits or asks for log-probabilities."""
+    return (
+        params.greedy
+        and params.logprobs is None
+        and params.repetition_penalty == 1.0
+        and not params.presence_penalty
+        and not params.frequency_penalty
+    )
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprob | None]]:
-    """One token (and its log-probabilities when asked) per row of logits [B, V]."""
+    """One token (and its log-probabilities when asked) per row of logits [B, V].
+
+    Plain greedy rows take one batched argmax (one device-to-host copy per step); the others
+    go row by row."""
     logits = logits.float()
+    plain = [i for i, seq in enumerate(seqs) if _plain_greedy(seq.params)]
+    fast: dict[int, int] = {}
+    if plain:
+        rows = logits if len(plain) == len(seqs) else logits[plain]
+        fast = dict(zip(plain, rows.argmax(-1).tolist()))
     results: list[tuple[int, TokenLogprob | None]] = []
-    for row, seq in zip(logits, seqs):
+    for i, (row, seq) in enumerate(zip(logits, seqs)):
+        if i in fast:
+            results.append((fast[i], None))
+            continue
         token = sample_one(row, seq)
         lp = None
         if seq.params.logprobs is not None:

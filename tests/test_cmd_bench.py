@@ -16,7 +16,12 @@ from config_only import config_folder
 
 import quantfw
 from quantfw.bench.configs import bundled_configs, read_hf_config, write_config_folder
-from quantfw.bench.measure import BenchSettings, bound_cache_bytes, weight_bytes
+from quantfw.bench.measure import (
+    BenchSettings,
+    bound_cache_bytes,
+    uncounted_layers,
+    weight_bytes,
+)
 from quantfw.bench.methods import method_table, parse_methods
 from quantfw.entrypoints.cli import main
 
@@ -30,7 +35,7 @@ TINY_RUN = [
     "--decode-tokens",
     "5",
     "--prefill-repeats",
-    "2",
+    "1",
 ]
 
 
@@ -112,7 +117,12 @@ def test_weight_bytes_count_what_a_decode_step_reads(tmp_path, tied):
     q_held, _ = weight_bytes(quantized)
     buffers = sum(b.numel() * b.element_size() for n, b in quantized.named_buffers() if "int4" in n)
     assert buffers > 0 and q_held > buffers  # the repacked int4 tensors count as weights
-    assert bound_cache_bytes(model) == 0
+    assert bound_cache_bytes(model) == 0 and uncounted_layers(quantized) == []
+    layer = quantized.model.layers[1].mlp.down_proj
+    layer.hidden_weight = layer.int4_weight  # a runtime tensor kept as a plain attribute
+    for name in [n for n, _ in layer.named_buffers()]:
+        delattr(layer, name)
+    assert uncounted_layers(quantized) == ["model.layers.1.mlp.down_proj"]
 
 
 def _report(out_dir) -> dict:
@@ -121,20 +131,23 @@ def _report(out_dir) -> dict:
         return json.load(f)
 
 
-def _check_measured(report: dict, batch_sizes: list[int], decode_tokens: int) -> None:
-    for name in ("fp16", "awq", "gptq"):
+def _check_measured(
+    report: dict, batch_sizes: list[int], decode_tokens: int, names=("fp16", "awq", "gptq")
+) -> None:
+    for name in names:
         m = report["methods"][name]
         assert m["status"] == "ok", m
-        assert m["prefill_ms"] > 0 and m["ttft_ms"] >= m["prefill_ms"] and m["load_s"] > 0
+        assert m["prefill_ms"] > 0 and m["ttft_ms"] >= m["prefill_ms"] and m["build_s"] > 0
         for b in batch_sizes:
             run = m["decode"][str(b)]
             assert run["tokens"] == b * decode_tokens and run["steps"] == decode_tokens
             assert run["floor_fraction"] == pytest.approx(
                 run["tokens_per_s"] / run["floor_tokens_per_s"]
             )
-    fp16, awq = report["methods"]["fp16"], report["methods"]["awq"]
-    assert awq["vs_fp16"]["weight"] == pytest.approx(awq["weight_gib"] / fp16["weight_gib"])
-    assert 0.1 < awq["vs_fp16"]["weight"] < 0.6  # 4-bit linears, fp32 embedding and head
+    fp16, quantized = report["methods"]["fp16"], report["methods"][names[1]]
+    ratio = quantized["vs_fp16"]["weight"]
+    assert ratio == pytest.approx(quantized["weight_gib"] / fp16["weight_gib"])
+    assert 0.1 < ratio < 0.6  # 4-bit linears, fp32 embedding and head
     assert fp16["vs_fp16"]["decode_speed"] == {str(b): 1.0 for b in batch_sizes}
 
 
@@ -174,7 +187,7 @@ def test_bench_under_torchrun_tp2(tmp_path):
     out = tmp_path / "results"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     cmd += ["-m", "quantfw.entrypoints.cli", "bench", config_folder(tmp_path / "m", "dense")]
-    cmd += ["--methods", "fp16,awq,gptq", "--dtype", "float32", "--group-size", "64"]
+    cmd += ["--methods", "fp16,gptq-act", "--dtype", "float32", "--group-size", "64"]
     cmd += [*TINY_RUN, "--out-dir", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
@@ -183,7 +196,7 @@ def test_bench_under_torchrun_tp2(tmp_path):
     report = _report(out)
     assert report["tensor_parallel_size"] == 2
     assert report["command"].startswith("torchrun --nproc-per-node=2 -m quantfw.entrypoints.cli")
-    _check_measured(report, [1, 3], 5)
+    _check_measured(report, [1, 3], 5, names=("fp16", "gptq-act"))
 
 
 @pytest.mark.gpu

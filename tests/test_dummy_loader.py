@@ -20,10 +20,10 @@ def state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(model.named_parameters()), **dict(model.named_buffers())}
 
 
-def unprocessed(folder: str) -> torch.nn.Module:
+def unprocessed(folder: str, device: str = "cpu") -> torch.nn.Module:
     """The model with its dummy values as a checkpoint would hold them (not yet repacked)."""
     model_config = ModelConfig(folder)
-    model = initialize_model(model_config, "cpu")
+    model = initialize_model(model_config, device)
     load_dummy_weights(model, model_config)
     return model
 
@@ -105,3 +105,29 @@ def test_awq_dummy_zeros_use_every_nibble(tmp_path):
         [reference.unpack_awq(m.qzeros).flatten() for m in model.modules() if hasattr(m, "qzeros")]
     )
     assert set(zeros.unique().tolist()) == set(range(16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(QUANT_CONFIGS))
+def test_dummy_model_on_cuda(name, tmp_path, random_ids, rel_err):
+    """Drawn on the GPU, repacked for the GPU kernels (a v1 zero point of 16 used to fail)."""
+    folder = config_folder(tmp_path, name)
+    ids = random_ids(vocab=320, seq=11).cuda()
+    logits = []
+    for _ in range(2):
+        model = quantfw.load_model(folder, device="cuda", dtype="float16", load_format="dummy")
+        assert all(p.device.type == "cuda" for p in model.parameters())
+        with torch.no_grad():
+            logits.append(model(ids).float())
+    assert torch.isfinite(logits[0]).all() and logits[0].std() > 0
+    assert rel_err(logits[0], logits[1]) <= 1e-3
+
+
+@pytest.mark.gpu
+def test_dummy_values_do_not_depend_on_the_gpu(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    folder = config_folder(tmp_path, "gptq_v1_act")
+    first, second = state(unprocessed(folder, "cuda:0")), state(unprocessed(folder, "cuda:1"))
+    for key, value in first.items():
+        assert torch.equal(value.cpu(), second[key].cpu()), key

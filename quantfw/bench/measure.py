@@ -144,6 +144,18 @@ def weight_bytes(model: nn.Module) -> tuple[int, int]:
     return held, held - _storage_bytes(skipped, set())
 
 
+def uncounted_layers(model: nn.Module) -> list[str]:
+    """Quantized layers that hold their runtime weights outside parameters and buffers, which
+    `weight_bytes` therefore cannot count."""
+    return [
+        getattr(module, "prefix", name)
+        for name, module in model.named_modules()
+        if isinstance(getattr(module, "quant_method", None), QuantizeMethodBase)
+        and not any(True for _ in module.parameters(recurse=False))
+        and not any(True for _ in module.buffers(recurse=False))
+    ]
+
+
 def bound_cache_bytes(model: nn.Module) -> int:
     """Bytes of the tensors modules hold outside their parameters and buffers: the KV cache the
     engine binds to the attention layers."""
@@ -305,18 +317,19 @@ def measure_method(
         tokenizer=None,
         **method.engine_kwargs(),
     )
-    load_s = time.perf_counter() - start
+    build_s = time.perf_counter() - start
     phases = leader_session(engine, lambda: _run_phases(engine, settings))
     if phases is None:
         return None
     held, read = weight_bytes(engine.model)
     cache = bound_cache_bytes(engine.model)
     result: dict[str, Any] = {
-        "load_s": load_s,
+        "build_s": build_s,
         "max_model_len": engine.max_model_len,
         "weight_gib": held / GIB,
         "decode_read_gib": read / GIB,
         "kv_cache_gib": cache / GIB,
+        "uncounted_weight_layers": len(uncounted_layers(engine.model)),
         "peak_gib": None,
         "peak_excl_kv_cache_gib": None,
         **phases,

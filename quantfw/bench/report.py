@@ -62,9 +62,12 @@ def format_report(report: dict[str, Any]) -> str:
     if report.get("copy_bandwidth_gb_s"):
         head += (
             f"copy bandwidth {report['copy_bandwidth_gb_s']:.0f} GB/s; decode floor = batch x "
-            "bandwidth / weight bytes read per step (per GPU)\n"
+            "bandwidth / weight bytes read per step (per rank)\n"
         )
-    head += "(x) is the ratio to fp16 in this run: speed for times and tokens/s, size for GiB\n"
+    head += (
+        "(x) is the ratio to fp16 in this run: speed for times and tokens/s, size for GiB; build s "
+        "is the engine's construction (dummy weights, repack, KV cache, CUDA graphs)\n"
+    )
     batch_sizes = [str(b) for b in s["batch_sizes"]]
     summary, decode, notes = [], [], []
     for name, m in report["methods"].items():
@@ -75,7 +78,7 @@ def format_report(report: dict[str, Any]) -> str:
         summary.append(
             [
                 name,
-                _fmt(m["load_s"], ".1f"),
+                _fmt(m["build_s"], ".1f"),
                 _fmt(m["weight_gib"], ".3g", vs.get("weight")),
                 _fmt(m["peak_gib"], ".3g"),
                 _fmt(m["peak_excl_kv_cache_gib"], ".3g", vs.get("peak_excl_kv_cache")),
@@ -88,7 +91,9 @@ def format_report(report: dict[str, Any]) -> str:
             run = m["decode"][b]
             cell = _fmt(run["tokens_per_s"], ".1f", vs.get("decode_speed", {}).get(b))
             if "floor_tokens_per_s" in run:
-                cell += f" [{100 * run['floor_fraction']:.0f}% of {run['floor_tokens_per_s']:.0f}]"
+                percent = 100 * run["floor_fraction"]
+                shown = f"{percent:.0f}" if percent >= 10 else f"{percent:.2g}"
+                cell += f" [{shown}% of {run['floor_tokens_per_s']:.0f}]"
             row.append(cell)
         decode.append(row)
     out = [head]
@@ -97,7 +102,7 @@ def format_report(report: dict[str, Any]) -> str:
             _table(
                 [
                     "method",
-                    "load s",
+                    "build s",
                     "weights GiB",
                     "peak GiB",
                     "peak excl. KV GiB",
@@ -114,6 +119,12 @@ def format_report(report: dict[str, Any]) -> str:
                 decode,
             )
         )
+    for name, m in report["methods"].items():
+        if m.get("uncounted_weight_layers"):
+            notes.append(
+                f"{name}: WARNING: {m['uncounted_weight_layers']} quantized layers keep their "
+                "weights outside parameters and buffers: weights GiB and the floor miss them"
+            )
     out += notes
     return "\n".join(out) + "\n"
 

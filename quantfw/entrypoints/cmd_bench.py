@@ -14,7 +14,12 @@ import os
 import shlex
 import sys
 import tempfile
-from typing import Any
+import traceback
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from quantfw.bench.measure import BenchSettings
+    from quantfw.bench.methods import BenchMethod
 
 DEFAULTS = {
     "methods": "fp16,awq,gptq",
@@ -102,18 +107,10 @@ def command_line(args: argparse.Namespace, world_size: int) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from quantfw import distributed as qdist
-    from quantfw.bench.configs import read_hf_config, write_config_folder
-    from quantfw.bench.measure import (
-        BenchSettings,
-        device_name,
-        measure_copy_bandwidth,
-        measure_method,
-    )
+    from quantfw.bench.configs import read_hf_config
+    from quantfw.bench.measure import BenchSettings
     from quantfw.bench.methods import parse_methods
-    from quantfw.bench.report import add_comparisons
 
     methods = parse_methods(args.methods, args.group_size)
     settings = BenchSettings(
@@ -130,15 +127,39 @@ def run(args: argparse.Namespace) -> int:
     config, label = read_hf_config(args.model, revision=args.revision)
     qdist.init_distributed(args.tp)
     writer = qdist.global_rank_from_env() == 0
+    report = _measure_all(methods, config, label, settings, writer)
+    if writer:
+        _publish({"command": command_line(args, qdist.world_size_from_env()), **report}, args)
+    qdist.destroy_distributed()
+    return 1 if any(m["status"] == "error" for m in report["methods"].values()) else 0
+
+
+def _measure_all(
+    methods: list[BenchMethod],
+    config: dict[str, Any],
+    label: str,
+    settings: BenchSettings,
+    writer: bool,
+) -> dict[str, Any]:
+    """Every method in turn (a failing one is recorded and the others go on); the report."""
+    import torch
+
+    from quantfw import distributed as qdist
+    from quantfw.bench.configs import write_config_folder
+    from quantfw.bench.measure import device_name, measure_copy_bandwidth, measure_method
+    from quantfw.bench.report import add_comparisons
+    from quantfw.config import ModelConfig
 
     def say(text: str) -> None:
         if writer:
             print(text, flush=True)
 
-    device = qdist.default_device()
-    bandwidth = measure_copy_bandwidth(device) if qdist.is_tp_leader() else None
     results: dict[str, dict[str, Any]] = {}
+    device = qdist.default_device()
     with tempfile.TemporaryDirectory(prefix="quantfw-bench-") as tmp:
+        shape = ModelConfig(write_config_folder(config, os.path.join(tmp, "shape")))
+        max_model_len = settings.model_len(shape.derived_context_length())
+        bandwidth = measure_copy_bandwidth(device) if qdist.is_tp_leader() else None
         for method in methods:
             reason = method.unavailable()
             if reason is not None:
@@ -151,8 +172,10 @@ def run(args: argparse.Namespace) -> int:
             )
             try:
                 measured = measure_method(folder, method, settings, bandwidth=bandwidth)
-            except (RuntimeError, ValueError, NotImplementedError, torch.OutOfMemoryError) as e:
+            except Exception as e:  # one method failing (OOM, a kernel) must not lose the others
                 results[method.name] = {"status": "error", "reason": f"{type(e).__name__}: {e}"}
+                if writer:
+                    traceback.print_exc()
                 say(f"{method.name}: error: {type(e).__name__}: {e}")
                 continue
             if measured is not None:
@@ -162,30 +185,23 @@ def run(args: argparse.Namespace) -> int:
                     "quantization_args": method.quantization_args,
                     **measured,
                 }
-                say(f"{method.name}: done in {measured['load_s']:.1f} s load")
-    if writer:
-        add_comparisons(results)
-        report = {
-            "command": command_line(args, qdist.world_size_from_env()),
-            "date": datetime.date.today().isoformat(),
-            "device": device_name(device),
-            "tensor_parallel_size": qdist.get_tp_size(),
-            "torch": torch.__version__,
-            "model": label,
-            "config": {k: config.get(k) for k in _SHAPE_KEYS if k in config},
-            "settings": {
-                **vars(settings),
-                "batch_sizes": list(settings.batch_sizes),
-                "max_model_len": next(
-                    (m["max_model_len"] for m in results.values() if m["status"] == "ok"), None
-                ),
-            },
-            "copy_bandwidth_gb_s": bandwidth / 1e9 if bandwidth else None,
-            "methods": results,
-        }
-        _publish(report, args)
-    qdist.destroy_distributed()
-    return 1 if any(m["status"] == "error" for m in results.values()) else 0
+                say(f"{method.name}: measured (engine built in {measured['build_s']:.1f} s)")
+    add_comparisons(results)
+    return {
+        "date": datetime.date.today().isoformat(),
+        "device": device_name(device),
+        "tensor_parallel_size": qdist.get_tp_size(),
+        "torch": torch.__version__,
+        "model": label,
+        "config": {k: config.get(k) for k in _SHAPE_KEYS if k in config},
+        "settings": {
+            **vars(settings),
+            "batch_sizes": list(settings.batch_sizes),
+            "max_model_len": max_model_len,
+        },
+        "copy_bandwidth_gb_s": bandwidth / 1e9 if bandwidth else None,
+        "methods": results,
+    }
 
 
 _SHAPE_KEYS = (
@@ -213,6 +229,9 @@ def _publish(report: dict[str, Any], args: argparse.Namespace) -> None:
     text = format_report(report)
     print("\n" + text, end="")
     if args.no_save:
+        return
+    if not any(m["status"] == "ok" for m in report["methods"].values()):
+        print("no method was measured: nothing written")
         return
     stem = os.path.join(args.out_dir, result_stem(report))
     write_json(report, stem + ".json")

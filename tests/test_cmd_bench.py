@@ -207,7 +207,10 @@ def test_bench_command_on_cuda(tmp_path):
     assert main([*args, "--group-size", "64", *TINY_RUN, "--out-dir", str(out)]) == 0
     report = _report(out)
     _check_measured(report, [1, 3], 5)
-    for m in report["methods"].values():
+    for name, m in report["methods"].items():
         assert m["status"] == "ok", m
         assert m["peak_gib"] >= m["weight_gib"] and m["kv_cache_gib"] > 0
+        # weights GiB and the floor count parameters and buffers: the GPU runtime tensors of
+        # quantized layers must be registered buffers (issue 17), not plain attributes
+        assert m["uncounted_weight_layers"] == 0, f"{name}: {m['uncounted_weight_layers']} layers"
     assert report["device"] == torch.cuda.get_device_name()

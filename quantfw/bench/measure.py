@@ -196,7 +196,6 @@ def time_prefill(engine: Any, prompt: list[int], sync: Callable[[], None]) -> tu
     arrival = time.perf_counter()
     request = engine.add_request(prompt, _params(1))
     forward = 0.0
-    finished = False
     for _ in range(len(prompt) + 8):
         sync()
         start = time.perf_counter()
@@ -204,9 +203,8 @@ def time_prefill(engine: Any, prompt: list[int], sync: Callable[[], None]) -> tu
         sync()
         forward += time.perf_counter() - start
         if any(o.request_id == request and o.outputs[0].token_ids for o in outputs):
-            finished = True
             break
-    if not finished:
+    else:
         raise RuntimeError("the prefill request got no token")
     ttft = time.perf_counter() - arrival
     while engine.has_unfinished():  # nothing left with max_tokens=1; keeps the engine clean

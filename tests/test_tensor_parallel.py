@@ -9,13 +9,14 @@ import sys
 
 import pytest
 import torch
+from config_only import config_folder
 
 import quantfw
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "tp_logits.py")
 
 
-def run_torchrun(out_dir, folders, nproc=2):
+def run_torchrun(out_dir, folders, nproc=2, extra_args=()):
     cmd = [
         sys.executable,
         "-m",
@@ -25,6 +26,7 @@ def run_torchrun(out_dir, folders, nproc=2):
         SCRIPT,
         str(out_dir),
         *folders,
+        *extra_args,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
@@ -85,3 +87,22 @@ def test_tp2_engine_generates_the_tp1_tokens(hf_checkpoint, tmp_path):
     prompts = [list(range(1, 4 + 5 * i)) for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == result["tokens"]
+
+
+@pytest.mark.slow
+def test_tp2_dummy_model_equals_tp1(rel_err, tmp_path):
+    """Dummy weights are one full tensor per parameter, sharded like a checkpoint: the TP=2 model
+    computes the TP=1 function (kv head replicated, vocab padded differently, packed and grouped
+    quantized tensors, act-order)."""
+    names = ["dense", "awq", "gptq_v1_asym", "gptq_v1_act"]
+    folders = [config_folder(tmp_path / name, name) for name in names]
+    out = tmp_path / "out"
+    out.mkdir()
+    results = run_torchrun(out, folders, extra_args=["--load-format", "dummy"])
+    for name, folder, result in zip(names, folders, results):
+        assert "error" not in result, result.get("error")
+        tp1 = quantfw.load_model(folder, device="cpu", load_format="dummy")
+        with torch.no_grad():
+            expected = tp1(result["ids"])
+        err = rel_err(result["logits"], expected)
+        assert err <= 1e-5, f"{name}: TP=2 vs TP=1 relative error {err:.2e}"

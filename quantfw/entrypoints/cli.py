@@ -17,6 +17,7 @@ SUBCOMMANDS = (
     "quantfw.entrypoints.cmd_generate",
     "quantfw.entrypoints.cmd_serve",
     "quantfw.entrypoints.cmd_tune_w4a16",
+    "quantfw.entrypoints.cmd_bench",
 )
 
 

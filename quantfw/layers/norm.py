@@ -20,13 +20,19 @@ class RMSNorm(nn.Module):
             torch.ones(hidden_size, dtype=params_dtype or torch.get_default_dtype()),
             requires_grad=False,
         )
-        set_weight_attrs(self.weight, {"weight_loader": _load_whole})
+        set_weight_attrs(self.weight, {"weight_loader": _load_whole, "dummy_init": _dummy_weight})
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``norm(x)``, or with `residual`: ``(norm(x + residual), x + residual)``."""
         return fused.rms_norm(x, self.weight, self.eps, residual)
+
+
+def _dummy_weight(full: torch.Tensor, generator: torch.Generator) -> None:
+    """The dummy loader's values: near one, like a fresh model's, so normalised activations keep
+    their unit scale (tiny random norm weights would shrink every layer's output to nothing)."""
+    full.uniform_(0.5, 1.5, generator=generator)
 
 
 def _load_whole(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:

@@ -170,9 +170,10 @@ class GPTQLinearMethod(LinearMethodBase):
                 {**group_attrs, "output_dim": 1},
             ),
         }
+        dummy = {"qzeros": {"dummy_init": self._dummy_qzeros}}
         for name, (data, attrs) in tensors.items():
             param = nn.Parameter(data, requires_grad=False)
-            set_weight_attrs(param, {**attrs, **extra})
+            set_weight_attrs(param, {**attrs, **extra, **dummy.get(name, {})})
             layer.register_parameter(name, param)
 
         # the first group of this rank's rows when scales are sharded by whole groups
@@ -183,19 +184,34 @@ class GPTQLinearMethod(LinearMethodBase):
             torch.empty(input_size_per_partition, dtype=torch.int32), requires_grad=False
         )
 
-        def dummy_init(param: torch.Tensor, generator: torch.Generator) -> None:
-            rows = torch.arange(first, first + param.numel())
-            param.data.copy_(reference.group_index(input_size, group_size)[rows])
+        def dummy_g_idx(full: torch.Tensor, generator: torch.Generator) -> None:
+            """The full g_idx: contiguous groups, under act-order a random permutation of them."""
+            groups = reference.group_index(input_size, group_size, full.device)
+            if cfg.desc_act:
+                groups = groups[torch.randperm(input_size, generator=generator, device=full.device)]
+            full.copy_(groups)
 
         set_weight_attrs(
             g_idx,
             {
                 "input_dim": 0,
                 "weight_loader": extra["weight_loader"],
-                "dummy_init": dummy_init,
+                "dummy_init": dummy_g_idx,
             },
         )
         layer.register_parameter("g_idx", g_idx)
+
+    def _dummy_qzeros(self, full: torch.Tensor, generator: torch.Generator) -> None:
+        """Zero points a real checkpoint could hold: 2**(bits-1) when symmetric, any code
+        otherwise; stored minus one in the v1 format, whose stored zeros are 0..2**bits-2."""
+        cfg = self.config
+        shape = (full.shape[0], full.shape[1] * 32 // cfg.bits)
+        if cfg.sym:
+            codes = torch.full(shape, 2 ** (cfg.bits - 1) - cfg.zero_offset, device=full.device)
+        else:
+            high = 2**cfg.bits - cfg.zero_offset
+            codes = torch.randint(0, high, shape, generator=generator, device=full.device)
+        full.copy_(reference.pack_int32(codes, cfg.bits, dim=1))
 
     def _local_groups(self, layer: nn.Module) -> torch.Tensor:
         g = layer.g_idx.data.long() - layer.gptq_group_offset

@@ -1,0 +1,1 @@
+"""`quantfw bench`: end-to-end measurement of quantization methods on dummy weights."""

@@ -165,6 +165,32 @@ def profile_steps(engine, batch: int, steps: int = 20) -> dict[str, float]:
     return {"by_kind_us": dict(by_kind), "top_kernels_us": dict(top)}
 
 
+def host_profile(engine, batch: int, steps: int = 50) -> None:
+    """cProfile of decode steps: where the host's time goes (the GPU wait shows in tolist)."""
+    import cProfile
+    import pstats
+
+    from quantfw.engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    for _ in range(batch):
+        engine.add_request(list(range(100, 228)), params)
+    for _ in range(4):
+        engine.step()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    start = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    prof.disable()
+    wall = (time.perf_counter() - start) / steps * 1e6
+    while engine.has_unfinished():
+        engine.step()
+    print(f"host profile bs={batch}: {wall:.0f} us per step (cProfile on)", flush=True)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--layers", type=int, default=36)
@@ -173,6 +199,7 @@ def main() -> None:
     ap.add_argument("--max-model-lens", default="4096,40960")
     ap.add_argument("--prompt-len", type=int, default=2048)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--host-profile", action="store_true", help="also cProfile decode steps")
     args = ap.parse_args()
     from quantfw.engine import LLMEngine
 
@@ -216,6 +243,8 @@ def main() -> None:
                         f"{k} {v:.0f}" for k, v in kinds), flush=True)  # fmt: skip
                     for name, us in row["profile_bs1"]["top_kernels_us"].items():
                         print(f"    {us:8.1f} us  {name}", flush=True)
+                    if args.host_profile:
+                        host_profile(engine, 1)
                 report["runs"].append(row)
                 print(f"  (load {load_s:.1f} s, weights {wb / 2**30:.2f} GiB)", flush=True)
                 del engine

@@ -84,6 +84,7 @@ class LLMEngine:
         model: str,
         *,
         quantization: str | None = None,
+        quantization_args: dict[str, Any] | None = None,
         dtype: str | torch.dtype = "auto",
         tensor_parallel_size: int | None = None,
         max_model_len: int | None = None,
@@ -107,6 +108,7 @@ class LLMEngine:
         self.model_config, self.model = load_model_with_config(
             model,
             quantization=quantization,
+            quantization_args=quantization_args,
             dtype=dtype,
             device=device,
             load_format=load_format,

@@ -112,8 +112,6 @@ class AsyncEngine:
         self.max_open = max_running + max_queued
         self.on_dead = on_dead
         self.dead: BaseException | None = None
-        #: requests that raised on their own (each got RequestFailedError)
-        self.num_failed = 0
         self._inbox: queue.Queue = queue.Queue()
         self._open: dict[str, _Pending] = {}
         self._num_open = 0  # admitted and not yet finished, aborted or rejected
@@ -239,7 +237,6 @@ class AsyncEngine:
         if pending is None:
             return
         if out.error is not None:
-            self.num_failed += 1
             self._close(out.request_id)
             self._send(pending, RequestFailedError(out.error))
             return

@@ -355,6 +355,7 @@ def test_logit_bias_penalties_and_user(client, tokenizer, tiny_model):
         ("chat", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
         ("chat", {"messages": [{"role": "user", "content": "x", "foo": 1}]}, "messages[0].foo"),
         ("chat", {"messages": []}, "messages"),
+        ("chat", {"messages": [{"role": "user", "content": "dog " * 300}]}, "messages"),
         ("chat", {"messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
         ("chat", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools"),
         (

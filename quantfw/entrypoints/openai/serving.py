@@ -66,7 +66,6 @@ class OpenAIServing:
         self.llm = engine.engine
         self.model_name = model_name
         self.max_model_len = self.llm.max_model_len
-        self.vocab_size = int(self.llm.model_config.hf_config.vocab_size)
 
     @staticmethod
     def new_id(prefix: str) -> tuple[str, int]:
@@ -87,30 +86,23 @@ class OpenAIServing:
                 "stream_options is only allowed with stream=true", param="stream_options"
             )
 
-    def check_prompt_ids(self, ids: list[int], param: str) -> None:
-        if not ids:
-            raise APIError("the prompt is empty", param=param)
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise APIError(
-                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})",
-                param=param,
-            )
-
     def encode(self, text: str, param: str) -> list[int]:
         try:
             return self.llm.encode(text)
         except ValueError as e:  # no tokenizer
             raise APIError(str(e), param=param) from e
 
-    def max_tokens(self, prompt_len: int, requested: int | None, param: str) -> int:
-        """`requested`, checked to fit the context with the prompt; absent: the rest of it."""
+    def max_tokens(
+        self, prompt_len: int, requested: int | None, *, prompt_param: str, param: str
+    ) -> int:
+        """`requested` (the field `param`), checked to fit the context with the prompt (the
+        field `prompt_param`); absent: the rest of the context."""
         room = self.max_model_len - prompt_len
         if room < 1:
             raise APIError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
                 f"has {prompt_len}, which leaves no room for a completion",
-                param="prompt" if param in ("max_tokens", "max_completion_tokens") else param,
+                param=prompt_param,
                 code="context_length_exceeded",
             )
         if requested is None:
@@ -125,26 +117,17 @@ class OpenAIServing:
             )
         return requested
 
-    def logit_bias(self, req: SamplingRequest) -> dict[int, float]:
+    @staticmethod
+    def logit_bias(req: SamplingRequest) -> dict[int, float]:
+        """The bias by token id (values and the vocabulary are checked by the engine)."""
         bias: dict[int, float] = {}
         for key, value in (req.logit_bias or {}).items():
             try:
-                token = int(key)
+                bias[int(key)] = value
             except ValueError:
                 raise APIError(
                     f"logit_bias key {key!r} is not a token id", param="logit_bias"
                 ) from None
-            if not 0 <= token < self.vocab_size:
-                raise APIError(
-                    f"logit_bias token id {token} is outside the vocabulary [0, {self.vocab_size})",
-                    param="logit_bias",
-                )
-            if not -100 <= value <= 100:
-                raise APIError(
-                    f"logit_bias value {value} for token {token} is outside [-100, 100]",
-                    param="logit_bias",
-                )
-            bias[token] = value
         return bias
 
     def sampling_params(
@@ -190,8 +173,9 @@ class OpenAIServing:
             raise APIError(str(e), status=503, code="server_overloaded") from e
         except EngineDeadError as e:
             raise APIError(str(e), status=503, code="engine_dead") from e
-        except ValueError as e:  # the engine's own checks of prompt and params
-            raise APIError(str(e), param="prompt") from e
+        except ValueError as e:  # the engine's checks: empty prompt, ids outside the vocabulary
+            param = "logit_bias" if str(e).startswith("logit_bias") else "prompt"
+            raise APIError(str(e), param=param) from e
 
     @staticmethod
     def failure(error: Exception) -> APIError:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+from quantfw.engine.async_engine import RequestStream
 from quantfw.engine.llm import apply_chat_template
 from quantfw.engine.sequence import TokenLogprob
 from quantfw.entrypoints.openai.protocol import (
@@ -50,11 +51,12 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(str(e), param="messages") from e
         except Exception as e:  # a template that rejects these messages
             raise APIError(f"chat template failed on these messages: {e}", param="messages") from e
-        self.check_prompt_ids(prompt_ids, "messages")
         requested, param = req.max_tokens, "max_tokens"
         if req.max_completion_tokens is not None:
             requested, param = req.max_completion_tokens, "max_completion_tokens"
-        max_tokens = self.max_tokens(len(prompt_ids), requested, param)
+        max_tokens = self.max_tokens(
+            len(prompt_ids), requested, prompt_param="messages", param=param
+        )
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens, n=req.n, logprobs=logprobs)
         streams = await self.submit([(prompt_ids, params)])
@@ -85,7 +87,12 @@ class OpenAIServingChat(OpenAIServing):
         )
 
     async def _events(
-        self, req: ChatCompletionRequest, rid: str, created: int, prompt_len: int, streams: list
+        self,
+        req: ChatCompletionRequest,
+        rid: str,
+        created: int,
+        prompt_len: int,
+        streams: list[RequestStream],
     ) -> AsyncIterator[str]:
         def chunk(choices: list[ChatStreamChoice], usage=None) -> str:
             body = ChatCompletionChunk(

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from quantfw.engine.async_engine import RequestStream
 from quantfw.engine.sequence import CompletionOutput, TokenLogprob
 from quantfw.entrypoints.openai.protocol import (
     APIError,
@@ -50,7 +51,9 @@ class OpenAIServingCompletion(OpenAIServing):
         logprobs = req.logprobs if best_of == req.n else max(req.logprobs or 0, 0)
         requests = []
         for p in prompts:
-            max_tokens = self.max_tokens(len(p.ids), req.max_tokens, "max_tokens")
+            max_tokens = self.max_tokens(
+                len(p.ids), req.max_tokens, prompt_param="prompt", param="max_tokens"
+            )
             requests.append(
                 (p.ids, self.sampling_params(req, max_tokens, n=best_of, logprobs=logprobs))
             )
@@ -92,7 +95,7 @@ class OpenAIServingCompletion(OpenAIServing):
         rid: str,
         created: int,
         prompts: list[_Prompt],
-        streams: list,
+        streams: list[RequestStream],
     ) -> AsyncIterator[str]:
         def chunk(choices: list[CompletionChoice], usage=None) -> str:
             body = CompletionResponse(
@@ -143,7 +146,6 @@ class OpenAIServingCompletion(OpenAIServing):
                 out.append(_Prompt(self.encode(item, "prompt"), item))
             else:
                 out.append(_Prompt(list(item), None))
-            self.check_prompt_ids(out[-1].ids, "prompt")
         return out
 
     def _echo_text(self, p: _Prompt) -> str:

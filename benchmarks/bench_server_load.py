@@ -30,26 +30,10 @@ import time
 import httpx
 import openai
 
-WORDS = [
-    "the",
-    "quick",
-    "brown",
-    "fox",
-    "jumps",
-    "over",
-    "lazy",
-    "dog",
-    "a",
-    "cat",
-    "sat",
-    "on",
-    "mat",
-    "hello",
-    "world",
-    "how",
-    "are",
-    "you",
-]
+#: prompts are drawn from these words (all in the tiny test tokenizer's vocabulary)
+SENTENCE = (
+    "the quick brown fox jumps over the lazy dog a cat sat on the mat hello world how are you"
+)
 MALFORMED = [
     ("completions", b'{"model": "tiny", "prompt": '),
     ("completions", {"prompt": "hi", "temperature": "hot"}),
@@ -65,12 +49,13 @@ MALFORMED = [
 def plan(num_requests: int, disconnect_fraction: float, seed: int) -> list[dict]:
     """The requests: route, body fields, and whether the client leaves early."""
     rng = random.Random(seed)
+    words = SENTENCE.split()
     leaving = set(
         rng.sample(range(num_requests), max(1, round(disconnect_fraction * num_requests)))
     )
     specs = []
     for i in range(num_requests):
-        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 40)))
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(1, 40)))
         body: dict = {"temperature": 0.0}
         if i % 4 == 3:
             body = {"temperature": 0.8, "seed": i}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import threading
 
@@ -85,11 +86,20 @@ def run(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
     server = uvicorn.Server(config)
+    # uvicorn stops gracefully on SIGINT/SIGTERM, then raises the signal again: make SIGTERM an
+    # exception too, so the engine and the TP ranks are released below
+    signal.signal(signal.SIGTERM, _raise_system_exit)
     try:
         server.run()
+    except (KeyboardInterrupt, SystemExit):
+        pass
     finally:
         _teardown(async_engine, qdist)
     return 1 if async_engine.dead is not None else 0
+
+
+def _raise_system_exit(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _run_worker(engine) -> int:
@@ -120,7 +130,11 @@ def _teardown(async_engine, qdist) -> None:
     watchdog = threading.Timer(TEARDOWN_LIMIT_S, give_up)
     watchdog.daemon = True
     watchdog.start()
-    clean = async_engine.shutdown(timeout=TEARDOWN_LIMIT_S)
+    try:
+        clean = async_engine.shutdown(timeout=TEARDOWN_LIMIT_S)
+    except Exception as e:  # releasing the other ranks failed: one of them is gone
+        print(f"quantfw serve: stopping the TP ranks failed: {e}", file=sys.stderr, flush=True)
+        clean = False
     if not clean and qdist.get_tp_size() > 1:
         # the other ranks may be blocked in a collective with us: leave at once, torchrun
         # (or their broken connections) ends them

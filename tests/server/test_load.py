@@ -13,6 +13,7 @@ pytest.importorskip("openai")
 pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
 
 API_KEY = "sk-test-key"  # the key the `server` fixture starts with
 BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "bench_server_load.py")

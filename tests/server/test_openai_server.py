@@ -13,6 +13,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
 
 import torch  # noqa: E402
 from tiny_checkpoint import hf_greedy  # noqa: E402

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
 pytest.importorskip("fastapi")
 
 from quantfw.entrypoints.cli import main  # noqa: E402

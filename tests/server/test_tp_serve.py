@@ -13,6 +13,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
 
 from server_utils import free_port, start_server, stop_server  # noqa: E402
 

@@ -48,7 +48,7 @@ class OpenAIServingCompletion(OpenAIServing):
             )
         prompts = self._prompts(req.prompt)
         # best_of ranks completions by their mean token logprob: ask for it when it is needed
-        logprobs = req.logprobs if best_of == req.n else max(req.logprobs or 0, 0)
+        logprobs = req.logprobs if best_of == req.n else req.logprobs or 0
         requests = []
         for p in prompts:
             max_tokens = self.max_tokens(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,8 +161,17 @@ class ModelConfig:
 
 def load_hf_config(model: str, *, revision: str | None = None, cache_dir: str | None = None) -> Any:
     """The transformers config of a local folder or hub repo id, with a clear error."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
     from transformers import AutoConfig
 
+    if not os.path.isdir(model):
+        try:
+            validate_repo_id(model)
+        except HFValidationError:
+            raise ValueError(
+                f"cannot read the HF config of {model!r}: it is neither an existing folder "
+                "nor a valid Hugging Face repo id ('name' or 'org/name')"
+            ) from None
     try:
         return AutoConfig.from_pretrained(model, revision=revision, cache_dir=cache_dir)
     except (OSError, ValueError, KeyError) as e:

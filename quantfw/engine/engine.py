@@ -34,6 +34,8 @@ class EngineStats:
 
     requests_added: int = 0
     requests_finished: int = 0
+    requests_aborted: int = 0
+    requests_failed: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
     steps: int = 0
@@ -47,6 +49,7 @@ class _Request:
     params: SamplingParams
     seqs: list[Sequence]
     arrival: float = field(default_factory=time.perf_counter)
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -222,6 +225,11 @@ class LLMEngine:
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        bad = [t for t in params.logit_bias if t >= vocab]
+        if bad:
+            raise ValueError(
+                f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab})"
+            )
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -246,6 +254,7 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return
+        self.stats.requests_aborted += 1
         for seq in req.seqs:
             if not seq.finished:
                 self.scheduler.finish(seq, "abort")
@@ -268,10 +277,22 @@ class LLMEngine:
             seq.num_computed += n
             if seq.num_computed == seq.num_tokens:
                 to_sample.append(seq)
+        try:
+            sampled = sample(logits, to_sample)  # one batched pass (one host sync)
+        except Exception:
+            sampled = None  # a request's sampling raised: go row by row to fail only that one
         touched: dict[str, _Request] = {}
-        for seq, (token, lp) in zip(to_sample, sample(logits, to_sample)):
-            self._append(seq, token, lp)
+        for i, (row, seq) in enumerate(zip(logits, to_sample)):
             req = self.requests.get(seq.request_id)
+            if seq.finished:  # a sibling of this sequence failed earlier in this loop
+                continue
+            try:
+                token, lp = sampled[i] if sampled is not None else sample(row[None], [seq])[0]
+                self._append(seq, token, lp)
+            except Exception as e:  # this request's own fault: fail it alone, the others go on
+                if req is None:
+                    raise
+                self._fail(req, e)
             if req is not None:
                 touched[req.request_id] = req
         outputs = [self._output(req) for req in touched.values()]
@@ -280,6 +301,13 @@ class LLMEngine:
                 del self.requests[req.request_id]
                 self.stats.requests_finished += 1
         return outputs
+
+    def _fail(self, req: _Request, error: Exception) -> None:
+        req.error = f"{type(error).__name__}: {error}"
+        self.stats.requests_failed += 1
+        for seq in req.seqs:
+            if not seq.finished:
+                self.scheduler.finish(seq, "error")
 
     def _append(self, seq: Sequence, token: int, lp: Any) -> None:
         params = seq.params
@@ -331,7 +359,12 @@ class LLMEngine:
                 )
             )
         return RequestOutput(
-            req.request_id, req.prompt, req.prompt_token_ids, outs, finished=req.finished
+            req.request_id,
+            req.prompt,
+            req.prompt_token_ids,
+            outs,
+            finished=req.finished,
+            error=req.error,
         )
 
     def shutdown(self) -> None:

@@ -1,6 +1,6 @@
 """Turns one step's logits into tokens, request by request.
 
-Order: repetition/presence/frequency penalties, then temperature, then top-k, top-p and min-p
+Order: repetition/presence/frequency penalties and logit bias, then temperature, then top-k, top-p and min-p
 filtering, then a draw from the request's own generator (greedy requests take the argmax).
 Log-probabilities are those of the model's raw distribution (before penalties and filtering).
 """
@@ -16,7 +16,7 @@ from quantfw.engine.sequence import Sequence, TokenLogprob
 def apply_penalties(
     logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int]
 ) -> torch.Tensor:
-    """Penalised copy of one row of logits [V]."""
+    """Penalised (and logit-biased) copy of one row of logits [V]."""
     if params.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), device=logits.device)
         if seen.numel():
@@ -30,6 +30,10 @@ def apply_penalties(
         )[: logits.shape[-1]].to(logits.dtype)
         logits = logits - params.frequency_penalty * counts
         logits = logits - params.presence_penalty * (counts > 0).to(logits.dtype)
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), device=logits.device)
+        bias = torch.tensor(list(params.logit_bias.values()), device=logits.device)
+        logits = logits.index_add(0, ids, bias.to(logits.dtype))
     return logits
 
 
@@ -69,6 +73,7 @@ def _plain_greedy(params: SamplingParams) -> bool:
         and params.repetition_penalty == 1.0
         and not params.presence_penalty
         and not params.frequency_penalty
+        and not params.logit_bias
     )
 
 

@@ -14,7 +14,8 @@ class SamplingParams:
     and `frequency_penalty` (OpenAI style, on output tokens only). `seed` makes a request
     reproducible on its own, whatever else is batched with it; with ``n > 1`` completion i uses
     ``seed + i``. `logprobs` asks for the sampled token's log-probability plus that many top
-    alternatives per step (0: the sampled token's only).
+    alternatives per step (0: the sampled token's only). `logit_bias` adds a value in
+    [-100, 100] to the logits of the given token ids before sampling (OpenAI's field).
     """
 
     max_tokens: int = 16
@@ -32,12 +33,14 @@ class SamplingParams:
     seed: int | None = None
     n: int = 1
     logprobs: int | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        self.logit_bias = {int(t): float(b) for t, b in (self.logit_bias or {}).items()}
         checks = [
             ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
             ("temperature", self.temperature >= 0, "must be >= 0"),
@@ -50,6 +53,11 @@ class SamplingParams:
             ("n", self.n >= 1, "must be >= 1"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+            (
+                "logit_bias",
+                all(t >= 0 and -100 <= b <= 100 for t, b in self.logit_bias.items()),
+                "must map token ids >= 0 to biases in [-100, 100]",
+            ),
         ]
         for name, ok, rule in checks:
             if not ok:

@@ -87,3 +87,5 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    #: set when this request failed on its own (its sequences end with finish_reason "error")
+    error: str | None = None

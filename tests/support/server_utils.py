@@ -1,10 +1,12 @@
-"""Start and stop `quantfw serve` subprocesses on free ports of 127.0.0.1."""
+"""Start and stop `quantfw serve`: subprocesses, or an app in a thread of the test process (to
+reach into its engine), on free ports of 127.0.0.1."""
 
 from __future__ import annotations
 
 import os
 import socket
 import subprocess
+import threading
 import time
 import urllib.request
 
@@ -15,10 +17,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 90.0) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout: float = 90.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
+        if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"server exited early with code {proc.returncode}")
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
@@ -51,3 +53,22 @@ def stop_server(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
+
+
+class ThreadServer:
+    """A FastAPI app under uvicorn in a daemon thread of this process; ``url`` is its base."""
+
+    def __init__(self, app) -> None:
+        import uvicorn
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        wait_healthy(self.url, timeout=30)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=20)

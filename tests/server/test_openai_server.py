@@ -133,7 +133,8 @@ def sse_events(server: str, path: str, body: dict) -> list[str]:
 
 @pytest.mark.parametrize("include_usage", [None, False, True])
 def test_wire_format_of_streams(server, include_usage):
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "stream": True}
+    # ignore_eos: a sampled EOS must not end the stream before the 4 tokens the usage counts
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "stream": True, "ignore_eos": True}
     if include_usage is not None:
         body["stream_options"] = {"include_usage": include_usage}
     events = sse_events(server, "completions", body)

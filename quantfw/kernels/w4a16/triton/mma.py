@@ -609,6 +609,7 @@ def epilogue(
 # host side
 
 _WORKSPACE: dict[int, tuple] = {}
+_RETIRED: list[tuple] = []  # outgrown workspaces that captured graphs may still use
 _NUM_SMS: dict[int, int] = {}
 
 
@@ -634,11 +635,16 @@ def _workspace(device, n_ws: int, n_cnt: int):
     """Zeroed fp32 partial sums and int32 arrival counters, shared by all calls on a device.
 
     Every split-K launch leaves them zeroed again (the last CTA of a tile resets its part), so
-    they are allocated once; calls on one device must be stream-ordered (as a model's are), and
-    every shape should be run once before CUDA-graph capture so that no buffer grows inside it."""
+    they are allocated once; calls on one device must be stream-ordered (as a model's are).
+    When a larger shape needs bigger buffers, the old ones are kept alive (`_RETIRED`): CUDA
+    graphs captured before keep using the buffers they were captured with, and freeing those
+    would let the allocator hand their memory to other tensors that the graphs then overwrite.
+    Every shape should still be run once before capture so that no buffer grows inside it."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
     ws, cnt = _WORKSPACE.get(idx, (None, None))
     if ws is None or ws.numel() < n_ws or cnt.numel() < n_cnt:
+        if ws is not None:
+            _RETIRED.append((ws, cnt))
         n_ws = max(n_ws, 0 if ws is None else ws.numel())
         n_cnt = max(n_cnt, 0 if cnt is None else cnt.numel())
         ws = torch.zeros(n_ws, device=device, dtype=torch.float32)

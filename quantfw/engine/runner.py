@@ -158,6 +158,15 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
+        # run every bucket before capturing any, so that buffers kernels grow on first use
+        # (split-K workspaces) reach their final size outside the graphs
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for bs in self.buckets:
+                for _ in range(2):
+                    self._forward(bs)
+        torch.cuda.current_stream().wait_stream(stream)
         for bs in reversed(self.buckets):  # largest first so smaller ones reuse its pool
             self._capture(bs)
 
@@ -179,12 +188,6 @@ class DecodeGraphs:
         return self.model.compute_logits(hidden)
 
     def _capture(self, bs: int) -> None:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._forward(bs)
-        torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             self.outputs[bs] = self._forward(bs)

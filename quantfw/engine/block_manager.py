@@ -75,6 +75,17 @@ class BlockManager:
                 return False
         return True
 
+    def can_allocate_all(self, seqs: list[Sequence], new_tokens: int) -> bool:
+        """Whether every one of `seqs` can get blocks for `new_tokens` more tokens at once."""
+        for group, pool in enumerate(self.pools):
+            net = 0
+            for seq in seqs:
+                take, release = self._plan(seq, group, new_tokens)
+                net += take - len(release)
+            if net > pool.num_free:
+                return False
+        return True
+
     def allocate(self, seq: Sequence, new_tokens: int) -> None:
         """Extend `seq`'s tables to hold ``num_computed + new_tokens`` tokens (check
         `can_allocate` first)."""

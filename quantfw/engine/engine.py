@@ -19,7 +19,7 @@ import torch
 from quantfw.api import load_model_with_config
 from quantfw.engine.kv_cache import KVCache
 from quantfw.engine.runner import ModelRunner
-from quantfw.engine.sampler import sample
+from quantfw.engine.sampler import plain_greedy, sample
 from quantfw.engine.sampling_params import SamplingParams
 from quantfw.engine.scheduler import Scheduler
 from quantfw.engine.sequence import CompletionOutput, RequestOutput, Sequence
@@ -81,6 +81,10 @@ def eos_token_ids(model: str, hf_config: Any, tokenizer: Any | None) -> set[int]
     return {int(eos)} if isinstance(eos, int) else {int(e) for e in eos}
 
 
+#: Decode steps the GPU runs back to back for batches of plain greedy sequences (with CUDA graphs)
+DEFAULT_DECODE_WINDOW = 8
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -95,6 +99,7 @@ class LLMEngine:
         max_num_batched_tokens: int | None = None,
         gpu_memory_utilization: float = 0.9,
         cuda_graphs: bool | None = None,
+        decode_window: int | None = None,
         attention_backend: str = "auto",
         block_size: int = 16,
         num_gpu_blocks: int | None = None,
@@ -172,6 +177,13 @@ class LLMEngine:
             graph_backend = select_backend(
                 "triton" if triton_available() else "sdpa", self.device, self.model_config.dtype
             )
+        if decode_window is None:
+            decode_window = DEFAULT_DECODE_WINDOW if cuda_graphs else 1
+        if decode_window < 1 or (decode_window > 1 and not cuda_graphs):
+            raise ValueError(
+                f"decode_window={decode_window} must be >= 1, and 1 without CUDA graphs"
+            )
+        self.decode_window = decode_window
         self.runner = ModelRunner(
             self.model,
             self.kv_cache,
@@ -180,6 +192,7 @@ class LLMEngine:
             cuda_graphs=cuda_graphs,
             max_graph_batch=max_num_seqs,
             graph_backend=graph_backend,
+            max_window=decode_window,
         )
         self.scheduler = Scheduler(
             self.kv_cache,
@@ -265,7 +278,13 @@ class LLMEngine:
     # -- stepping -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; outputs of the requests that got tokens (finished ones included)."""
+        """Run one step (or a decode window of several); outputs of the requests that got
+        tokens (finished ones included)."""
+        window = self.scheduler.schedule_window(
+            self.decode_window, self.max_model_len, lambda s: plain_greedy(s.params)
+        )
+        if window is not None:
+            return self._step_window(*window)
         scheduled = self.scheduler.schedule()
         if scheduled is None:
             return []
@@ -295,6 +314,31 @@ class LLMEngine:
                 self._fail(req, e)
             if req is not None:
                 touched[req.request_id] = req
+        return self._outputs(touched)
+
+    def _step_window(self, plan: list[tuple[Sequence, int]], batch: Any, window: int):
+        """Run `window` greedy decode steps on the GPU, then append each sequence's tokens up
+        to the one that finishes it (the rest of its window is dropped)."""
+        tokens = self.runner.execute(batch, window).tolist()  # [window][B]: one host sync
+        self.stats.steps += window
+        touched: dict[str, _Request] = {}
+        for b, (seq, _) in enumerate(plan):
+            req = self.requests.get(seq.request_id)
+            try:
+                for j in range(window):
+                    if seq.finished:
+                        break
+                    seq.num_computed += 1
+                    self._append(seq, tokens[j][b], None)
+            except Exception as e:  # this request's own fault: fail it alone, the others go on
+                if req is None:
+                    raise
+                self._fail(req, e)
+            if req is not None:
+                touched[req.request_id] = req
+        return self._outputs(touched)
+
+    def _outputs(self, touched: dict[str, _Request]) -> list[RequestOutput]:
         outputs = [self._output(req) for req in touched.values()]
         for req in touched.values():
             if req.finished:

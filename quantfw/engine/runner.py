@@ -2,9 +2,15 @@
 metadata on the device, calls the cache-aware forward, returns the logits of the rows to sample.
 Decode steps replay CUDA graphs when enabled.
 
-Under tensor parallelism the leader broadcasts each step as two tensors (an 8-int header, then
+Decode windows: for a batch of plain greedy sequences the engine may run `window` decode steps
+back to back: each captured step ends by taking the argmax of its logits, writing it as the next
+step's input token and advancing positions and context lengths, so the GPU runs the window
+without waiting for the host; the host reads the window's tokens once at the end.
+
+Under tensor parallelism the leader broadcasts each step as two tensors (a 9-int header, then
 the packed payload) and the other ranks sit in `worker_loop`, running exactly the same steps
-from the same tensors; only the leader samples. No Python object is pickled per step.
+from the same tensors (in a window, every rank takes the argmax of the same all-gathered
+logits); only the leader samples. No Python object is pickled per step.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from quantfw.engine.scheduler import StepBatch
 from quantfw.layers.attention import AttentionBackend, AttentionMetadata
 
 _STEP, _STOP = 0, 1
-HEADER_LEN = 8
+HEADER_LEN = 9
 
 #: The SDPA backend reads the cache up to a multiple of this many positions (the mask hides the
 #: rest), so eager steps see a new key length once per bucket instead of once per token:
@@ -42,16 +48,19 @@ class PackedStep:
     max_context_len: int
     num_groups: int
     payload: torch.Tensor
+    #: decode steps run back to back (greedy feedback on the device); 1: one ordinary step
+    window: int = 1
 
     def header(self) -> list[int]:
         return [
             _STEP, self.num_tokens, self.num_seqs, self.table_width, self.num_sample,
-            self.max_query_len, self.max_context_len, self.num_groups,
+            self.max_query_len, self.max_context_len, self.num_groups, self.window,
         ]  # fmt: skip
 
     @classmethod
     def from_header(cls, header: list[int], payload: torch.Tensor) -> PackedStep:
-        return cls(*header[1:], payload=payload)
+        *sizes, window = header[1:]
+        return cls(*sizes, payload=payload, window=window)
 
     @property
     def payload_len(self) -> int:
@@ -74,10 +83,10 @@ def table_width(max_context_len: int, block_size: int, max_model_len: int) -> in
     return -(-max(bucket, max_context_len) // block_size)
 
 
-def pack(batch: StepBatch, block_size: int, max_model_len: int) -> PackedStep:
+def pack(batch: StepBatch, block_size: int, max_model_len: int, window: int = 1) -> PackedStep:
     b, groups = batch.num_seqs, len(batch.block_tables)
     max_ctx = max(batch.context_lens)
-    width = table_width(max_ctx, block_size, max_model_len)
+    width = table_width(max_ctx + window - 1, block_size, max_model_len)
     seq_of: list[int] = []
     starts = [0]
     for i, n in enumerate(batch.query_lens):
@@ -95,7 +104,7 @@ def pack(batch: StepBatch, block_size: int, max_model_len: int) -> PackedStep:
     payload = torch.tensor(values, dtype=torch.int32)
     return PackedStep(
         len(batch.input_ids), b, width, len(batch.sample_rows), max(batch.query_lens), max_ctx,
-        groups, payload,
+        groups, payload, window,
     )  # fmt: skip
 
 
@@ -131,7 +140,9 @@ class DecodeGraphs:
 
     The graphs attend over the real context lengths (a tensor) through block tables of
     ``max_model_len / block_size`` columns; padded rows attend to one token of the null block
-    and write there.
+    and write there. Every step ends with the greedy feedback of a decode window: the argmax
+    of each row becomes the next input token, stored in `tokens` [max_window, bucket] at row
+    `step_index`, and real rows advance their position and context length by one.
     """
 
     def __init__(
@@ -141,20 +152,25 @@ class DecodeGraphs:
         backend: AttentionBackend,
         device: torch.device,
         max_bs: int,
+        max_window: int = 1,
     ):
         self.model = model
         self.backend = backend
         self.block_size = kv_cache.block_size
         self.max_model_len = kv_cache.max_model_len
+        self.max_window = max(1, max_window)
         self.buckets = sorted({min(2**i, max_bs) for i in range(max_bs.bit_length() + 1)})
         n = self.buckets[-1]
         cols = -(-self.max_model_len // self.block_size)
-        # rows: input_ids, positions, context_lens (the payload's first 3 * B values for decode)
-        self.inputs = torch.zeros(3, n, dtype=torch.int32, device=device)
+        # rows: input_ids, positions, context_lens (the payload's first 3 * B values for decode),
+        # and 1 for real rows / 0 for padding
+        self.inputs = torch.zeros(4, n, dtype=torch.int32, device=device)
         self.inputs[2].fill_(1)
         self.tables = torch.zeros(len(kv_cache.groups), n, cols, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.seq_of = torch.arange(n, dtype=torch.int32, device=device)
+        self.tokens = torch.zeros(self.max_window, n, dtype=torch.int32, device=device)
+        self.step_index = torch.zeros(1, dtype=torch.long, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -165,13 +181,14 @@ class DecodeGraphs:
         with torch.cuda.stream(stream):
             for bs in self.buckets:
                 for _ in range(2):
+                    self.step_index.zero_()
                     self._forward(bs)
         torch.cuda.current_stream().wait_stream(stream)
         for bs in reversed(self.buckets):  # largest first so smaller ones reuse its pool
             self._capture(bs)
 
     def _forward(self, bs: int) -> torch.Tensor:
-        ids, pos, ctx = self.inputs[0, :bs], self.inputs[1, :bs], self.inputs[2, :bs]
+        ids, pos, ctx, active = self.inputs[:, :bs].unbind(0)
         tables = list(self.tables[:, :bs].unbind(0))
         meta = AttentionMetadata(
             backend=self.backend,
@@ -185,7 +202,15 @@ class DecodeGraphs:
         )
         self.backend.prepare(meta)
         hidden = self.model.forward_cached(ids, pos, meta)
-        return self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        # greedy feedback (read by decode windows; ordinary steps rewrite the inputs)
+        nxt = logits.argmax(-1).to(torch.int32)
+        ids.copy_(nxt)
+        pos.add_(active)
+        ctx.add_(active)
+        self.tokens[:, :bs].index_copy_(0, self.step_index, nxt.view(1, bs))
+        self.step_index.add_(1)
+        return logits
 
     def _capture(self, bs: int) -> None:
         graph = torch.cuda.CUDAGraph()
@@ -198,21 +223,38 @@ class DecodeGraphs:
     def can_run(self, step: PackedStep) -> bool:
         return step.max_query_len == 1 and step.num_seqs <= self.buckets[-1]
 
-    def run(self, step: PackedStep) -> torch.Tensor:
+    def _load(self, step: PackedStep) -> int:
+        """Copy the step's inputs into the static buffers; returns the bucket."""
         b, w = step.num_seqs, step.table_width
         bs = next(x for x in self.buckets if x >= b)
         payload = step.payload
-        self.inputs[:, :b].copy_(payload[: 3 * b].view(3, b))
+        self.inputs[:3, :b].copy_(payload[: 3 * b].view(3, b))
         start = 5 * b + 1
-        self.tables[:, :b, :w].copy_(
-            payload[start : start + self.tables.shape[0] * b * w].view(-1, b, w)
-        )
+        groups = self.tables.shape[0]
+        self.tables[:, :b, :w].copy_(payload[start : start + groups * b * w].view(groups, b, w))
+        self.inputs[3, :b].fill_(1)
         if bs > b:
             self.inputs[:2, b:bs].zero_()
             self.inputs[2, b:bs].fill_(1)
+            self.inputs[3, b:bs].zero_()
             self.tables[:, b:bs, 0].zero_()
+        self.step_index.zero_()
+        return bs
+
+    def run(self, step: PackedStep) -> torch.Tensor:
+        """Logits [B, vocab] of one decode step."""
+        bs = self._load(step)
         self.graphs[bs].replay()
-        return self.outputs[bs][:b]
+        return self.outputs[bs][: step.num_seqs]
+
+    def run_window(self, step: PackedStep) -> torch.Tensor:
+        """`step.window` decode steps back to back; the greedy tokens [window, B] (device)."""
+        if not 1 <= step.window <= self.max_window:
+            raise ValueError(f"decode window {step.window} outside 1..{self.max_window}")
+        bs = self._load(step)
+        for _ in range(step.window):
+            self.graphs[bs].replay()
+        return self.tokens[: step.window, : step.num_seqs]
 
 
 class ModelRunner:
@@ -226,6 +268,7 @@ class ModelRunner:
         cuda_graphs: bool,
         max_graph_batch: int,
         graph_backend: AttentionBackend | None = None,
+        max_window: int = 1,
     ):
         self.model = model
         self.kv_cache = kv_cache
@@ -242,11 +285,23 @@ class ModelRunner:
                     f"the {graph_backend.name} attention backend cannot run in CUDA graphs"
                 )
             with torch.inference_mode():
-                self.graphs = DecodeGraphs(model, kv_cache, graph_backend, device, max_graph_batch)
+                self.graphs = DecodeGraphs(
+                    model, kv_cache, graph_backend, device, max_graph_batch, max_window
+                )
+
+    @property
+    def max_window(self) -> int:
+        """The longest decode window the graphs can run (1: none)."""
+        return self.graphs.max_window if self.graphs is not None else 1
 
     @torch.inference_mode()
     def run(self, step: PackedStep) -> torch.Tensor:
-        """Logits [num_sample, vocab] (float32) of this step."""
+        """Logits [num_sample, vocab] (float32) of this step; for a decode window, its greedy
+        tokens [window, B] (int32)."""
+        if step.window > 1:
+            if self.graphs is None or not self.graphs.can_run(step):
+                raise ValueError("a decode window needs the CUDA graphs of its batch size")
+            return self.graphs.run_window(step)
         if self.graphs is not None and self.graphs.can_run(step):
             return self.graphs.run(step).float()
         parts = step.split()
@@ -258,9 +313,9 @@ class ModelRunner:
         rows = parts["sample_rows"].long()
         return self.model.compute_logits(hidden.index_select(0, rows)).float()
 
-    def execute(self, batch: StepBatch) -> torch.Tensor:
+    def execute(self, batch: StepBatch, window: int = 1) -> torch.Tensor:
         """Leader side: send the step to the other TP ranks, then run it."""
-        step = pack(batch, self.block_size, self.kv_cache.max_model_len)
+        step = pack(batch, self.block_size, self.kv_cache.max_model_len, window)
         payload = step.payload.to(self.device, non_blocking=True)
         if qdist.get_tp_size() > 1:
             header = torch.tensor(step.header(), dtype=torch.int32, device=self.device)

@@ -65,7 +65,7 @@ def sample_one(logits: torch.Tensor, seq: Sequence) -> int:
     return int(torch.multinomial(probs.cpu(), 1, generator=seq.generator).item())
 
 
-def _plain_greedy(params: SamplingParams) -> bool:
+def plain_greedy(params: SamplingParams) -> bool:
     """Greedy with nothing that changes the logits or asks for log-probabilities."""
     return (
         params.greedy
@@ -83,7 +83,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenL
     Plain greedy rows take one batched argmax (one device-to-host copy per step); the others
     go row by row."""
     logits = logits.float()
-    plain = [i for i, seq in enumerate(seqs) if _plain_greedy(seq.params)]
+    plain = [i for i, seq in enumerate(seqs) if plain_greedy(seq.params)]
     fast: dict[int, int] = {}
     if plain:
         rows = logits if len(plain) == len(seqs) else logits[plain]

@@ -14,6 +14,7 @@ sequence that could not fit even alone, so every admitted sequence can finish.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from quantfw.engine.kv_cache import KVCache
@@ -82,6 +83,28 @@ class Scheduler:
         self.blocks.allocate(seq, n)
         return True
 
+    def schedule_window(
+        self, max_window: int, max_model_len: int, eligible: Callable[[Sequence], bool]
+    ) -> tuple[list[tuple[Sequence, int]], StepBatch, int] | None:
+        """A decode window: when nothing waits and every running sequence is decoding and
+        `eligible` (plain greedy), up to `max_window` steps that the GPU runs back to back
+        (blocks for all of them allocated now). None when an ordinary step is due."""
+        if self.waiting or not self.running or max_window < 2:
+            return None
+        if not all(s.num_uncomputed == 1 and eligible(s) for s in self.running):
+            return None
+        room = min(
+            min(s.params.max_tokens - len(s.output_token_ids), max_model_len - s.num_tokens)
+            for s in self.running
+        )
+        window = min(max_window, room)
+        if window < 2 or not self.blocks.can_allocate_all(self.running, window):
+            return None
+        for seq in self.running:
+            self.blocks.allocate(seq, window)
+        plan = [(s, 1) for s in self.running]
+        return plan, self._batch(plan, lookahead=window), window
+
     def schedule(self) -> tuple[list[tuple[Sequence, int]], StepBatch] | None:
         """The (sequence, tokens) pairs of the next step and its batch; None when idle."""
         budget = self.max_num_batched_tokens
@@ -118,7 +141,7 @@ class Scheduler:
             return None
         return plan, self._batch(plan)
 
-    def _batch(self, plan: list[tuple[Sequence, int]]) -> StepBatch:
+    def _batch(self, plan: list[tuple[Sequence, int]], lookahead: int = 1) -> StepBatch:
         groups = self.blocks.num_groups
         batch = StepBatch([], [], [], [], [[] for _ in range(groups)], [])
         bs = self.blocks.block_size
@@ -128,7 +151,7 @@ class Scheduler:
             batch.positions.extend(range(start, start + n))
             batch.query_lens.append(n)
             batch.context_lens.append(start + n)
-            used = -(-(start + n) // bs)
+            used = -(-(start + max(n, lookahead)) // bs)
             for g in range(groups):
                 batch.block_tables[g].append(seq.block_tables[g][:used])
             if start + n == seq.num_tokens:

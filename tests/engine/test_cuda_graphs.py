@@ -74,3 +74,32 @@ def test_awq_fp16_cuda_graphs_match_eager(tiny_llama, tmp_path):
 
     outs = _greedy_with_and_without_graphs(awq, "float16", "sdpa", uses_w4a16)
     assert outs[True] == outs[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_windows_match_single_steps(tiny_llama, dtype):
+    """Greedy feedback on the device (several decode steps per host round trip) gives the
+    tokens of one step at a time, with max_tokens that end mid-window and a stop token."""
+    lengths = [5, 12, 17, 9]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    outs = {}
+    for window in (1, 8):
+        llm = LLM(tiny_llama, dtype=dtype, max_num_seqs=4, max_model_len=128, decode_window=window)
+        assert llm.engine.decode_window == window
+        outs[window] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        if window == 1:
+            stop = outs[1][2][6]  # a token the third prompt produces mid-way
+        stopped = SamplingParams(temperature=0, max_tokens=17, stop_token_ids=[stop])
+        outs[f"stop{window}"] = llm.generate(PROMPTS[2], stopped)[0].outputs[0].token_ids
+        assert llm.engine.kv_cache.num_free == llm.engine.kv_cache.initial_free
+        del llm
+        torch.cuda.empty_cache()
+    assert outs[8] == outs[1]
+    assert [len(t) for t in outs[8]] == lengths
+    assert outs["stop8"] == outs["stop1"] and outs["stop8"][-1] == stop
+
+
+def test_decode_window_needs_cuda_graphs(tiny_llama):
+    with pytest.raises(ValueError, match="decode_window"):
+        LLM(tiny_llama, max_num_seqs=2, decode_window=4, cuda_graphs=False)

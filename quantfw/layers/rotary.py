@@ -7,6 +7,7 @@ the trained context), llama3 and yarn. Formulas follow transformers' ``modeling_
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -88,6 +89,25 @@ def _yarn_inv_freq(
     return inv_freq, float(attention_factor)
 
 
+@dataclass
+class RopeArgs:
+    """What attention needs to rotate (and per-head normalize) q and k itself, so a backend can
+    fuse the rotation with storing the keys in the cache (`quantfw.kernels.fused.qk_norm_rope`)."""
+
+    cos_sin: torch.Tensor
+    rotary_dim: int
+    q_weight: torch.Tensor | None = None
+    k_weight: torch.Tensor | None = None
+    eps: float = 0.0
+
+    def apply(
+        self, q: torch.Tensor, k: torch.Tensor, store: tuple | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return fused.qk_norm_rope(
+            q, k, self.cos_sin, self.rotary_dim, self.q_weight, self.k_weight, self.eps, store
+        )
+
+
 class RotaryEmbedding(nn.Module):
     """Rotate-half (GPT-NeoX style) rotary embedding of the first `rotary_dim` features of q and
     k. `cos_sin(positions)` gives each position's cos and sin (float32) from a table grown on
@@ -148,6 +168,19 @@ class RotaryEmbedding(nn.Module):
             return self._table(positions, self._inv_freq_for(positions))
         return self.cos_sin_cache[positions.long()]
 
+    def args(
+        self, cos_sin: torch.Tensor, q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None
+    ) -> RopeArgs:
+        """The rotation of `cos_sin`'s positions (after per-head RMSNorm when `q_norm`/`k_norm`
+        are given), for `Attention(..., rope=...)`."""
+        return RopeArgs(
+            cos_sin,
+            self.rotary_dim,
+            q_norm.weight if q_norm is not None else None,
+            k_norm.weight if k_norm is not None else None,
+            q_norm.eps if q_norm is not None else 0.0,
+        )
+
     def apply(
         self,
         q: torch.Tensor,
@@ -158,10 +191,7 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [..., heads, head_dim] and k [..., kv_heads, head_dim] (after per-head
         RMSNorm when `q_norm`/`k_norm` are given); may work in place."""
-        q_w = q_norm.weight if q_norm is not None else None
-        k_w = k_norm.weight if k_norm is not None else None
-        eps = q_norm.eps if q_norm is not None else 0.0
-        return fused.qk_norm_rope(q, k, cos_sin, self.rotary_dim, q_w, k_w, eps)
+        return self.args(cos_sin, q_norm, k_norm).apply(q, k)
 
 
 def get_rope(head_dim: int, hf_config: Any) -> RotaryEmbedding:

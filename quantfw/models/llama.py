@@ -111,11 +111,12 @@ class LlamaAttention(nn.Module):
         q = q.view(b, s, self.num_heads, self.head_dim)
         k = k.view(b, s, self.num_kv_heads, self.head_dim)
         v = v.view(b, s, self.num_kv_heads, self.head_dim)
-        q, k = rotary.apply(q, k, cos_sin, self.q_norm, self.k_norm)
+        rope = rotary.args(cos_sin, self.q_norm, self.k_norm)
         if attn_meta is None:
-            return self.o_proj(self.attn(q, k, v))
+            return self.o_proj(self.attn(q, k, v, rope=rope))
         # cache-aware: one flat batch of tokens (b == 1)
-        return self.o_proj(self.attn(q[0], k[0], v[0], attn_meta).unsqueeze(0))
+        rope.cos_sin = cos_sin[0]
+        return self.o_proj(self.attn(q[0], k[0], v[0], attn_meta, rope).unsqueeze(0))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -44,6 +44,14 @@ def attention() -> None:
                 k_cache, _ = c.layer.kv_cache
                 stored = k_cache.view(-1, *k_cache.shape[2:])[meta.slot_mappings[0]]
                 check(f"store_kv {tag}", rel(stored, c.k), 0.0)
+    # the Triton store kernel alone
+    c = make_case(cached=[3, 0], new=[2, 5], block_size=4)
+    meta = c.metadata(backend)
+    triton_paged.store_kv(c.k, c.v, *c.layer.kv_cache, meta.slot_mappings[0])
+    k_cache, v_cache = c.layer.kv_cache
+    rows = meta.slot_mappings[0]
+    err = max(rel(k_cache.view(-1, 2, 16)[rows], c.k), rel(v_cache.view(-1, 2, 16)[rows], c.v))
+    check("triton store_kv", err, 0.0)
     # every split count gives the same decode result (spans, empty spans, the merge)
     c = make_case(cached=[0, 40, 90], new=[1, 1, 1], block_size=8, sinks=True, window=50)
     meta = c.metadata(backend)
@@ -86,6 +94,24 @@ def fused() -> None:
             in_place = torch.equal(qkv[..., : 6 * 64].view(1, 7, 6, 64), tq)
             check(f"qk_norm_rope rot={rot} norm={norm} {dtype}", max(rel(tq, rq), rel(tk, rk)), tol)
             check(f"qk_norm_rope in place rot={rot}", 0.0 if in_place else 1.0, 0.0)
+            # fused with the cache store: rotated keys and the values land at their slots
+            caches = [torch.randn(5, 4, 2, 64, dtype=dtype) for _ in range(2)]
+            caches += [c.clone() for c in caches]
+            slots = torch.randperm(20)[:7]
+            qkv2 = torch.randn_like(qkv)
+            q2, k2 = (
+                qkv2[..., : 6 * 64].view(1, 7, 6, 64),
+                qkv2[..., 6 * 64 : 8 * 64].view(1, 7, 2, 64),
+            )
+            v2 = qkv2[..., 8 * 64 :].view(1, 7, 2, 64)
+            rq2, _ = reference.qk_norm_rope(
+                q2.clone(), k2.clone(), cs, rot, qw, kw, 1e-6, (v2, caches[0], caches[1], slots)
+            )
+            tq2, _ = triton_ops.qk_norm_rope(
+                q2, k2, cs, rot, qw, kw, 1e-6, (v2, caches[2], caches[3], slots)
+            )
+            err = max(rel(tq2, rq2), rel(caches[2], caches[0]), rel(caches[3], caches[1]))
+            check(f"qk_norm_rope + store rot={rot} norm={norm} {dtype}", err, tol)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Fused small ops of a decoder layer: RMSNorm (with the residual add), per-head q/k RMSNorm +
-rotary, SiLU-and-mul.
+rotary (optionally storing the rotated key and the value in the paged KV cache), SiLU-and-mul,
+and the KV-cache store alone.
 
 Each op has a plain torch path (`reference.py`, the CPU path and what tests compare against,
 matching transformers' arithmetic and rounding) and one Triton kernel (`triton_ops.py`) used for
@@ -15,7 +16,7 @@ import torch
 
 from quantfw.kernels.fused import reference
 
-__all__ = ["rms_norm", "silu_and_mul", "qk_norm_rope", "triton_available"]
+__all__ = ["rms_norm", "silu_and_mul", "qk_norm_rope", "store_kv", "triton_available"]
 
 
 @functools.cache
@@ -60,17 +61,37 @@ def qk_norm_rope(
     q_weight: torch.Tensor | None = None,
     k_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Optional per-head RMSNorm (Qwen3's q_norm/k_norm) then rotate-half rotary embedding of the
     first `rotary_dim` features of q [..., heads, head_dim] and k [..., kv_heads, head_dim].
 
     `cos_sin` [..., rotary_dim] (float32) holds cos of the rotary_dim/2 frequencies then their sin
     (`RotaryEmbedding.cos_sin`). May work in place on q and k (views of a fused qkv output are
-    fine); returns the rotated q and k."""
+    fine); returns the rotated q and k. With ``store=(v, k_cache, v_cache, slots)`` the rotated
+    keys and the values are also written at the flat cache rows `slots` (see `store_kv`); the
+    Triton path then writes the keys only there (the returned k is not rotated)."""
     if (q_weight is None) != (k_weight is None):
         raise ValueError("qk_norm_rope: pass both q_weight and k_weight, or neither")
     if _use_triton(q):
         from quantfw.kernels.fused import triton_ops
 
-        return triton_ops.qk_norm_rope(q, k, cos_sin, rotary_dim, q_weight, k_weight, eps)
-    return reference.qk_norm_rope(q, k, cos_sin, rotary_dim, q_weight, k_weight, eps)
+        return triton_ops.qk_norm_rope(q, k, cos_sin, rotary_dim, q_weight, k_weight, eps, store)
+    return reference.qk_norm_rope(q, k, cos_sin, rotary_dim, q_weight, k_weight, eps, store)
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """Write k/v [T, kv_heads, head_dim] at flat rows `slots` [T] of the paged cache
+    ``[num_blocks, block_size, kv_heads, head_dim]`` (row = block * block_size + offset)."""
+    if _use_triton(k):
+        from quantfw.kernels.attention import triton_paged
+
+        triton_paged.store_kv(k, v, k_cache, v_cache, slots)
+        return
+    reference.store_kv(k, v, k_cache, v_cache, slots)

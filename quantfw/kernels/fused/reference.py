@@ -29,6 +29,18 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: i
     return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
 
 
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    kv_h, d = k_cache.shape[-2:]
+    k_cache.view(-1, kv_h, d).index_copy_(0, slots, k.reshape(-1, kv_h, d).to(k_cache.dtype))
+    v_cache.view(-1, kv_h, d).index_copy_(0, slots, v.reshape(-1, kv_h, d).to(v_cache.dtype))
+
+
 def qk_norm_rope(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -37,6 +49,7 @@ def qk_norm_rope(
     q_weight: torch.Tensor | None,
     k_weight: torch.Tensor | None,
     eps: float,
+    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if q_weight is not None:
         q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
@@ -44,4 +57,8 @@ def qk_norm_rope(
     cos = torch.cat((cos_sin[..., :half], cos_sin[..., :half]), dim=-1).unsqueeze(-2)
     sin = torch.cat((cos_sin[..., half:], cos_sin[..., half:]), dim=-1).unsqueeze(-2)
     cos, sin = cos.to(q.dtype), sin.to(q.dtype)
-    return _rotate(q, cos, sin, rotary_dim), _rotate(k, cos, sin, rotary_dim)
+    q, k = _rotate(q, cos, sin, rotary_dim), _rotate(k, cos, sin, rotary_dim)
+    if store is not None:
+        v, k_cache, v_cache, slots = store
+        store_kv(k, v, k_cache, v_cache, slots)
+    return q, k

@@ -100,7 +100,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _norm_rope_heads(
-    base,
+    src,
+    dst,
     w_ptr,
     c,
     s,
@@ -113,19 +114,20 @@ def _norm_rope_heads(
     PASS: tl.constexpr,
     PASS_P: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    WRITE_PASS: tl.constexpr,
 ):
-    """Norm (optional) and rotate NH heads stored HEAD_DIM apart at `base`, in place.
-    A head is [x1 (HALF) | x2 (HALF) | pass-through (PASS)]."""
-    dtype = base.dtype.element_ty
+    """Norm (optional) and rotate NH heads stored HEAD_DIM apart at `src` into `dst` (may be
+    `src`). A head is [x1 (HALF) | x2 (HALF) | pass-through (PASS)]."""
+    dtype = src.dtype.element_ty
     h = tl.arange(0, HP)[:, None]
     j = tl.arange(0, HALF_P)[None, :]
     m = (h < NH) & (j < HALF)
-    x1 = tl.load(base + h * HEAD_DIM + j, mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(base + h * HEAD_DIM + HALF + j, mask=m, other=0.0).to(tl.float32)
+    x1 = tl.load(src + h * HEAD_DIM + j, mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(src + h * HEAD_DIM + HALF + j, mask=m, other=0.0).to(tl.float32)
     if PASS > 0:
         p = tl.arange(0, PASS_P)[None, :]
         mp = (h < NH) & (p < PASS)
-        x3 = tl.load(base + h * HEAD_DIM + 2 * HALF + p, mask=mp, other=0.0).to(tl.float32)
+        x3 = tl.load(src + h * HEAD_DIM + 2 * HALF + p, mask=mp, other=0.0).to(tl.float32)
     if HAS_NORM:
         ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
         if PASS > 0:
@@ -138,45 +140,49 @@ def _norm_rope_heads(
         if PASS > 0:
             w3 = tl.load(w_ptr + 2 * HALF + p, mask=p < PASS, other=0.0).to(tl.float32)
             x3 = (x3 * inv).to(dtype).to(tl.float32) * w3
-            tl.store(base + h * HEAD_DIM + 2 * HALF + p, x3.to(dtype), mask=mp)
-    tl.store(base + h * HEAD_DIM + j, (x1 * c - x2 * s).to(dtype), mask=m)
-    tl.store(base + h * HEAD_DIM + HALF + j, (x2 * c + x1 * s).to(dtype), mask=m)
+    if WRITE_PASS:
+        out_ty = dst.dtype.element_ty
+        tl.store(dst + h * HEAD_DIM + 2 * HALF + p, x3.to(dtype).to(out_ty), mask=mp)
+    out_ty = dst.dtype.element_ty
+    tl.store(dst + h * HEAD_DIM + j, (x1 * c - x2 * s).to(dtype).to(out_ty), mask=m)
+    tl.store(dst + h * HEAD_DIM + HALF + j, (x2 * c + x1 * s).to(dtype).to(out_ty), mask=m)
 
 
 @triton.jit
 def _qk_norm_rope_kernel(
-    q_ptr,
-    k_ptr,
-    cs_ptr,
-    qw_ptr,
-    kw_ptr,
-    q_stride,
-    k_stride,
-    cs_stride,
-    eps,
-    NUM_Q: tl.constexpr,
-    NUM_K: tl.constexpr,
-    QP: tl.constexpr,
-    KP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HALF: tl.constexpr,
-    HALF_P: tl.constexpr,
-    PASS: tl.constexpr,
-    PASS_P: tl.constexpr,
-    HAS_NORM: tl.constexpr,
-):
+    q_ptr, k_ptr, v_ptr, cs_ptr, qw_ptr, kw_ptr, k_cache, v_cache, slots,
+    q_stride, k_stride, v_stride, cs_stride, eps,
+    NUM_Q: tl.constexpr, NUM_K: tl.constexpr, QP: tl.constexpr, KP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, PASS: tl.constexpr,
+    PASS_P: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr, KVD_P: tl.constexpr,
+):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, HALF_P)[None, :]
     c = tl.load(cs_ptr + t * cs_stride + j, mask=j < HALF, other=0.0)
     s = tl.load(cs_ptr + t * cs_stride + HALF + j, mask=j < HALF, other=0.0)
+    q_row = q_ptr + t * q_stride
     _norm_rope_heads(
-        q_ptr + t * q_stride, qw_ptr, c, s, eps,
-        NUM_Q, QP, HEAD_DIM, HALF, HALF_P, PASS, PASS_P, HAS_NORM,
+        q_row, q_row, qw_ptr, c, s, eps,
+        NUM_Q, QP, HEAD_DIM, HALF, HALF_P, PASS, PASS_P, HAS_NORM, HAS_NORM and PASS > 0,
     )  # fmt: skip
-    _norm_rope_heads(
-        k_ptr + t * k_stride, kw_ptr, c, s, eps,
-        NUM_K, KP, HEAD_DIM, HALF, HALF_P, PASS, PASS_P, HAS_NORM,
-    )  # fmt: skip
+    k_row = k_ptr + t * k_stride
+    if STORE:
+        # the rotated key goes straight to its cache row; the value is copied beside it
+        slot = tl.load(slots + t).to(tl.int64)
+        kvd = NUM_K * HEAD_DIM
+        _norm_rope_heads(
+            k_row, k_cache + slot * kvd, kw_ptr, c, s, eps,
+            NUM_K, KP, HEAD_DIM, HALF, HALF_P, PASS, PASS_P, HAS_NORM, PASS > 0,
+        )  # fmt: skip
+        offs = tl.arange(0, KVD_P)
+        vm = offs < kvd
+        vals = tl.load(v_ptr + t * v_stride + offs, mask=vm)
+        tl.store(v_cache + slot * kvd + offs, vals.to(v_cache.dtype.element_ty), mask=vm)
+    else:
+        _norm_rope_heads(
+            k_row, k_row, kw_ptr, c, s, eps,
+            NUM_K, KP, HEAD_DIM, HALF, HALF_P, PASS, PASS_P, HAS_NORM, HAS_NORM and PASS > 0,
+        )  # fmt: skip
 
 
 def _token_rows(x: torch.Tensor, name: str) -> tuple[torch.Tensor, int]:
@@ -201,6 +207,7 @@ def qk_norm_rope(
     q_weight: torch.Tensor | None,
     k_weight: torch.Tensor | None,
     eps: float,
+    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     q, q_stride = _token_rows(q, "q")
     k, k_stride = _token_rows(k, "k")
@@ -213,27 +220,19 @@ def qk_norm_rope(
     half = rotary_dim // 2
     passthrough = d - rotary_dim
     norm = q_weight is not None
+    if store is not None:
+        v, k_cache, v_cache, slots = store
+        v, v_stride = _token_rows(v, "v")
+    else:
+        v, k_cache, v_cache, slots, v_stride = k, k, k, k, 0
     if tokens:
         _qk_norm_rope_kernel[(tokens,)](
-            q,
-            k,
-            cs,
-            q_weight if norm else q,
-            k_weight if norm else k,
-            q_stride,
-            k_stride,
-            cs.stride(0),
-            eps,
-            NUM_Q=num_q,
-            NUM_K=num_k,
-            QP=triton.next_power_of_2(num_q),
-            KP=triton.next_power_of_2(num_k),
-            HEAD_DIM=d,
-            HALF=half,
-            HALF_P=triton.next_power_of_2(half),
-            PASS=passthrough,
-            PASS_P=triton.next_power_of_2(max(passthrough, 1)),
-            HAS_NORM=norm,
-            num_warps=4,
-        )
+            q, k, v, cs, q_weight if norm else q, k_weight if norm else k, k_cache, v_cache,
+            slots, q_stride, k_stride, v_stride, cs.stride(0), eps,
+            NUM_Q=num_q, NUM_K=num_k, QP=triton.next_power_of_2(num_q),
+            KP=triton.next_power_of_2(num_k), HEAD_DIM=d, HALF=half,
+            HALF_P=triton.next_power_of_2(half), PASS=passthrough,
+            PASS_P=triton.next_power_of_2(max(passthrough, 1)), HAS_NORM=norm,
+            STORE=store is not None, KVD_P=triton.next_power_of_2(num_k * d), num_warps=4,
+        )  # fmt: skip
     return q, k

@@ -19,6 +19,7 @@ from torch import nn
 
 from quantfw import distributed as qdist
 from quantfw.layers.attention.metadata import AttentionMetadata
+from quantfw.layers.rotary import RopeArgs
 from quantfw.layers.sharding import load_column_shard, set_weight_attrs
 
 
@@ -112,14 +113,18 @@ class Attention(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         meta: AttentionMetadata | None = None,
+        rope: RopeArgs | None = None,
     ) -> torch.Tensor:
+        """`rope`: rotate (and per-head normalize) q and k here, fused with the cache store."""
         if meta is not None:
             if self.kv_cache is None:
                 raise RuntimeError(
                     f"layer {self.prefix or '(root)'}: cache-aware attention ran before a KV "
                     "cache was bound"
                 )
-            return meta.backend.forward(self, q, k, v, meta)
+            return meta.backend.forward(self, q, k, v, meta, rope)
+        if rope is not None:
+            q, k = rope.apply(q, k)
         b, s = q.shape[:2]
         pos = torch.arange(s, device=q.device)
         if self.sliding_window is None and self.sinks is None:

@@ -6,10 +6,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from quantfw.kernels import fused
 from quantfw.layers.attention.metadata import AttentionMetadata
 
 if TYPE_CHECKING:
     from quantfw.layers.attention.layer import Attention
+    from quantfw.layers.rotary import RopeArgs
 
 
 class AttentionBackend:
@@ -18,8 +20,9 @@ class AttentionBackend:
     keys/values at the step's slot mapping and attends over each sequence's cached context,
     honouring the layer's `sliding_window` and `sinks`.
 
-    ``forward(layer, q [T, heads, head_dim], k/v [T, kv_heads, head_dim], meta)`` returns
-    ``[T, heads * head_dim]`` in q's dtype.
+    ``forward(layer, q [T, heads, head_dim], k/v [T, kv_heads, head_dim], meta, rope)`` returns
+    ``[T, heads * head_dim]`` in q's dtype. With `rope`, q and k arrive unrotated and the backend
+    rotates them (`write_kv` fuses that with storing the keys).
     """
 
     name = "base"
@@ -36,13 +39,25 @@ class AttentionBackend:
         k: torch.Tensor,
         v: torch.Tensor,
         meta: AttentionMetadata,
+        rope: RopeArgs | None = None,
     ) -> torch.Tensor:
         raise NotImplementedError
 
 
-def store_kv(layer: Attention, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """Write this step's k/v [T, kv_heads, head_dim] at flat cache rows `slots` [T] (torch ops)."""
+def write_kv(
+    layer: Attention,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMetadata,
+    rope: RopeArgs | None,
+) -> torch.Tensor:
+    """Store this step's k/v [T, kv_heads, head_dim] at their slots (rotating k first when
+    `rope` is given: one fused kernel on CUDA); returns q, rotated when `rope` is given."""
     k_cache, v_cache = layer.kv_cache
-    kv_h, d = k_cache.shape[-2:]
-    k_cache.view(-1, kv_h, d).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, kv_h, d).index_copy_(0, slots, v.to(v_cache.dtype))
+    slots = meta.slot_mappings[layer.kv_group]
+    if rope is not None:
+        q, _ = rope.apply(q, k, store=(v, k_cache, v_cache, slots))
+        return q
+    fused.store_kv(k, v, k_cache, v_cache, slots)
+    return q

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from quantfw.layers.attention.backends.base import AttentionBackend, store_kv
+from quantfw.layers.attention.backends.base import AttentionBackend, write_kv
 from quantfw.layers.attention.metadata import AttentionMetadata
 
 FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)
@@ -93,13 +93,13 @@ class FlashInferBackend(AttentionBackend):
                 )  # fmt: skip
         meta.scratch["flashinfer_planned"] = True
 
-    def forward(self, layer, q, k, v, meta):
+    def forward(self, layer, q, k, v, meta, rope=None):
         if layer.sinks is not None:
             raise ValueError(
                 f"layer {layer.prefix}: attention sinks are not supported by the flashinfer "
                 "backend; use attention_backend='triton' or 'sdpa'"
             )
-        store_kv(layer, k, v, meta.slot_mappings[layer.kv_group])
+        q = write_kv(layer, q, k, v, meta, rope)
         if "flashinfer_planned" not in meta.scratch:
             self.prepare(meta)
         wrapper = self._wrapper(layer.kv_group, meta.is_decode)

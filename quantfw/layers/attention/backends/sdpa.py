@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from quantfw.layers.attention.backends.base import AttentionBackend, store_kv
+from quantfw.layers.attention.backends.base import AttentionBackend, write_kv
 from quantfw.layers.attention.layer import sdpa, visible_keys
 from quantfw.layers.attention.metadata import AttentionMetadata
 
@@ -46,11 +46,10 @@ class SDPABackend(AttentionBackend):
             meta.scratch[key] = allowed & meta.scratch["sdpa_in_context"]
         return meta.scratch[key]
 
-    def forward(self, layer, q, k, v, meta):
+    def forward(self, layer, q, k, v, meta, rope=None):
         if "sdpa_query_pos" not in meta.scratch:
             self.prepare(meta)
-        slots = meta.slot_mappings[layer.kv_group]
-        store_kv(layer, k, v, slots)
+        q = write_kv(layer, q, k, v, meta, rope)
         k_cache, v_cache = layer.kv_cache
         b, mq, h, d = meta.num_seqs, meta.max_query_len, layer.num_heads, layer.head_dim
         length = meta.max_context_len

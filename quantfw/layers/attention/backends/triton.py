@@ -4,7 +4,7 @@ capturable) and a causal prefill kernel for prefill, chunked prefill and mixed b
 
 from __future__ import annotations
 
-from quantfw.layers.attention.backends.base import AttentionBackend
+from quantfw.layers.attention.backends.base import AttentionBackend, write_kv
 
 
 class TritonBackend(AttentionBackend):
@@ -16,11 +16,11 @@ class TritonBackend(AttentionBackend):
 
         self._kernels = triton_paged
 
-    def forward(self, layer, q, k, v, meta):
+    def forward(self, layer, q, k, v, meta, rope=None):
         kern = self._kernels
         k_cache, v_cache = layer.kv_cache
         group = layer.kv_group
-        kern.store_kv(k, v, k_cache, v_cache, meta.slot_mappings[group])
+        q = write_kv(layer, q, k, v, meta, rope)
         if meta.is_decode:
             splits = meta.scratch.get("decode_splits")
             if splits is None:

@@ -34,6 +34,9 @@ def test_info_prints_architecture_and_shard_plan(hf_checkpoint, capsys):
         .values()
     )
     assert f"{n / 1e6:.3f} M" in out
+    # kv cache per token per rank: 2 layers x (k + v) x 1 kv head x head_dim 16 x 4 bytes
+    assert "kv cache:       0.2 KiB per token per rank (2 full-attention layers)" in out
+    assert "tokens fit on" in out
 
 
 def test_info_error_is_one_line(hf_checkpoint, capsys):

@@ -24,6 +24,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--quantization", default=None)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--revision", default=None)
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="share of device memory the engine may use (for the KV-cache estimate)",
+    )
     p.set_defaults(func=run)
 
 
@@ -72,6 +78,44 @@ def shard_plan(model_config: ModelConfig, tp: int) -> tuple[nn.Module, list[str]
     return model, lines
 
 
+def kv_cache_lines(model: nn.Module, mc: ModelConfig, utilization: float) -> list[str]:
+    """KV-cache bytes per token on one rank, and how many tokens fit on this machine's device
+    beside the rank's weights (the engine sizes the cache the same way)."""
+    import torch
+
+    from quantfw.engine.kv_cache import attention_layers, available_memory_bytes
+
+    layers = attention_layers(model)
+    if not layers:
+        return []
+    elem = torch.empty((), dtype=mc.dtype).element_size()
+    full = [a for a in layers if a.sliding_window is None or a.sliding_window >= mc.max_model_len]
+    per_token = sum(2 * a.num_kv_heads * a.head_dim * elem for a in full)
+    lines = [
+        f"kv cache:       {per_token / 1024:.1f} KiB per token per rank "
+        f"({len(full)} full-attention layers"
+        + (
+            f", {len(layers) - len(full)} sliding-window layers hold only their window)"
+            if len(full) < len(layers)
+            else ")"
+        )
+    ]
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    budget = available_memory_bytes(device, utilization) - weights
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU"
+    if budget <= 0 or not per_token:
+        lines.append(f"                the weights do not leave room for a cache on {name}")
+    else:
+        tokens = budget // per_token
+        lines.append(
+            f"                ~{tokens:,} tokens fit on {name} (utilization {utilization}, after "
+            f"{weights / 2**30:.2f} GiB of weights): {tokens // mc.max_model_len} sequences of "
+            f"max_model_len {mc.max_model_len}"
+        )
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     mc = ModelConfig(
         args.model, revision=args.revision, dtype=args.dtype, quantization=args.quantization
@@ -90,7 +134,9 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"context length: {mc.max_model_len}")
     print(f"shard plan (tp={args.tp}, rank 0):")
-    _, lines = shard_plan(mc, args.tp)
+    rank_model, lines = shard_plan(mc, args.tp)
     for line in lines:
+        print(line)
+    for line in kv_cache_lines(rank_model, mc, args.gpu_memory_utilization):
         print(line)
     return 0

@@ -76,11 +76,11 @@ def store_kv(
 @triton.jit
 def _paged_decode_kernel(
     q_ptr, k_cache, v_cache, block_tables, context_lens, sinks_ptr, out_ptr, part_out, part_lse,
-    counters, q_stride_t, q_stride_h, bt_stride, out_stride_t, scale_log2, window,
+    q_stride_t, q_stride_h, bt_stride, out_stride_t, scale_log2, window,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, D_P: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, S_P: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
@@ -143,56 +143,43 @@ def _paged_decode_kernel(
         )
     else:
         safe_l = tl.where(denom > 0, denom, 1.0)
-        rows_of = (b * NUM_HEADS + heads) * NUM_SPLITS
-        tl.store(
-            part_out + (rows_of + split)[:, None] * D_P + d[None, :],
-            acc / safe_l[:, None],
-            mask=out_mask,
-        )
+        base = (b * NUM_HEADS + heads) * NUM_SPLITS + split
+        tl.store(part_out + base[:, None] * D_P + d[None, :], acc / safe_l[:, None], mask=out_mask)
         lse = tl.where(denom > 0, m + tl.log2(safe_l), float("-inf"))
-        tl.store(part_lse + rows_of + split, lse, mask=hmask)
-        # the last span of this (sequence, kv head) to finish merges all spans by their
-        # log-sum-exp and leaves its arrival counter at zero for the next launch
-        tl.debug_barrier()
-        counter = counters + b * NUM_KV_HEADS + g
-        if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
-            sp = tl.arange(0, S_P)
-            all_lse = tl.load(
-                part_lse + rows_of[:, None] + sp[None, :],
-                mask=hmask[:, None] & (sp[None, :] < NUM_SPLITS),
-                other=float("-inf"),
-                cache_modifier=".cg",
-            )
-            m_all = tl.max(all_lse, axis=1)
-            if HAS_SINKS:
-                sink = (
-                    tl.load(sinks_ptr + heads, mask=hmask, other=0.0).to(tl.float32)
-                    * 1.4426950408889634
-                )
-                m_all = tl.maximum(m_all, sink)
-            m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
-            total = tl.sum(tl.exp2(all_lse - m_all[:, None]), axis=1)
-            if HAS_SINKS:
-                total += tl.exp2(sink - m_all)
-            merged = tl.zeros([GROUP_P, D_P], tl.float32)
-            for other in range(NUM_SPLITS):
-                part = tl.load(
-                    part_out + (rows_of + other)[:, None] * D_P + d[None, :],
-                    mask=out_mask,
-                    other=0.0,
-                    cache_modifier=".cg",
-                )
-                part_w = tl.load(
-                    part_lse + rows_of + other, mask=hmask, other=float("-inf"),
-                    cache_modifier=".cg",
-                )  # fmt: skip
-                merged += part * tl.exp2(part_w - m_all)[:, None]
-            tl.store(
-                out_ptr + b * out_stride_t + heads[:, None] * HEAD_DIM + d[None, :],
-                (merged / total[:, None]).to(out_ptr.dtype.element_ty),
-                mask=out_mask,
-            )
-            tl.atomic_xchg(counter, 0)
+        tl.store(part_lse + base, lse, mask=hmask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_out, part_lse, sinks_ptr, out_ptr, out_stride_t,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_P: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, S_P: tl.constexpr, HAS_SINKS: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    sp = tl.arange(0, S_P)
+    smask = sp < NUM_SPLITS
+    base = (b * NUM_HEADS + h) * NUM_SPLITS
+    lse = tl.load(part_lse + base + sp, mask=smask, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+        m = tl.maximum(m, sink)
+    w = tl.exp2(lse - m)
+    denom = tl.sum(w, axis=0)
+    if HAS_SINKS:
+        denom += tl.exp2(sink - m)
+    d = tl.arange(0, D_P)
+    dmask = d < HEAD_DIM
+    parts = tl.load(
+        part_out + (base + sp)[:, None] * D_P + d[None, :],
+        mask=smask[:, None] & dmask[None, :],
+        other=0.0,
+    )
+    out = tl.sum(parts * w[:, None], axis=0) / denom
+    tl.store(
+        out_ptr + b * out_stride_t + h * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=dmask
+    )
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -233,38 +220,25 @@ def paged_decode(
             batch, num_heads, num_splits, d_p, dtype=torch.float32, device=q.device
         )
         part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
-        counters = _arrival_counters(q.device, batch * num_kv_heads)
     else:
-        part_out = part_lse = counters = out
+        part_out = part_lse = out
     sinks_arg = sinks if sinks is not None else out
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, sinks_arg, out, part_out, part_lse,
-        counters, q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0),
-        scale * LOG2E, sliding_window or 0,
+        q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), scale * LOG2E,
+        sliding_window or 0,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
         GROUP_P=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_P=d_p, PAGE=page,
-        BLOCK_N=64, NUM_SPLITS=num_splits, S_P=triton.next_power_of_2(num_splits),
-        HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
-        PRECISION=_precision(q.dtype), num_warps=4, num_stages=2,
+        BLOCK_N=64, NUM_SPLITS=num_splits, HAS_WINDOW=sliding_window is not None,
+        HAS_SINKS=sinks is not None, PRECISION=_precision(q.dtype), num_warps=4, num_stages=2,
     )  # fmt: skip
+    if split:
+        _merge_splits_kernel[(batch, num_heads)](
+            part_out, part_lse, sinks_arg, out, out.stride(0),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_P=d_p, NUM_SPLITS=num_splits,
+            S_P=triton.next_power_of_2(num_splits), HAS_SINKS=sinks is not None, num_warps=4,
+        )  # fmt: skip
     return out
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []  # outgrown counters that captured graphs may still use
-
-
-def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters of the split decode, one per (sequence, kv head), shared by
-    all launches on a device (each launch leaves them zero). Outgrown buffers stay alive: CUDA
-    graphs captured with them keep using them."""
-    current = _COUNTERS.get(device)
-    if current is None or current.numel() < n:
-        if current is not None:
-            _RETIRED.append(current)
-        current = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[device] = current
-    return current
 
 
 @triton.jit

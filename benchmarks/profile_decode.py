@@ -200,6 +200,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=2048)
     ap.add_argument("--out", default=None)
     ap.add_argument("--host-profile", action="store_true", help="also cProfile decode steps")
+    ap.add_argument(
+        "--decode-window", type=int, default=1, help="1: the kernel profile is per decode step"
+    )
     args = ap.parse_args()
     from quantfw.engine import LLMEngine
 
@@ -215,6 +218,7 @@ def main() -> None:
                 engine = LLMEngine(
                     path, dtype="float16", load_format="dummy", max_model_len=max_len,
                     max_num_seqs=16, tokenizer=None, gpu_memory_utilization=0.85,
+                    decode_window=args.decode_window,
                 )  # fmt: skip
                 load_s = time.perf_counter() - t0
                 wb = weight_bytes(engine.model)

@@ -1,0 +1,62 @@
+"""Export into the kbit format (docs/formats.md): each decoder linear weight ``[O, I]`` becomes
+``kbit_planes int32 [O, I/32, K]``, ``kbit_absmax uint8 [O, I/32]`` (E4M4) and
+``kbit_codebook float32 [2**K]``; embeddings, norms and lm_head keep their dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from quantfw.exporter.int4 import QUANTIZED_LINEARS
+from quantfw.kernels.kbit import format as kfmt
+
+#: the options kbit export takes, with their defaults
+OPTIONS: dict[str, Any] = {"bits": 4, "blocksize": kfmt.BLOCKSIZE}
+
+
+class KbitExporter:
+    def __init__(self, *, bits: int, blocksize: int):
+        self.bits = kfmt.check_bits(bits, "kbit export")
+        self.blocksize = kfmt.check_blocksize(blocksize, "kbit export")
+        self.codebook = kfmt.normal_float_codebook(bits)
+
+    def quantization_config(self) -> dict[str, Any]:
+        from quantfw import __version__
+
+        return {
+            "quant_method": "kbit",
+            "bits": self.bits,
+            "blocksize": self.blocksize,
+            "codebook": "normal_float",
+            "absmax_format": "e4m4",
+            "modules_to_not_convert": None,
+            "quantizer": f"quantfw:{__version__}",
+        }
+
+    def convert(
+        self, tensors: Iterator[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in tensors:
+            prefix, _, kind = name.rpartition(".")
+            if (
+                kind == "weight"
+                and tensor.dim() == 2
+                and prefix.split(".")[-1] in QUANTIZED_LINEARS
+            ):
+                planes, absmax = kfmt.quantize(tensor, self.bits, self.codebook, name=name)
+                yield f"{prefix}.kbit_planes", planes
+                yield f"{prefix}.kbit_absmax", absmax
+                yield f"{prefix}.kbit_codebook", self.codebook.clone()
+            else:
+                yield name, tensor
+
+
+def build(method: str, args: dict[str, Any], hf_config: dict[str, Any]) -> KbitExporter:
+    """The kbit exporter for `args` (``bits``, ``blocksize``; unknown options are an error)."""
+    unknown = sorted(set(args) - set(OPTIONS))
+    if unknown:
+        raise ValueError(f"kbit export: unknown option(s) {unknown}; supported: {sorted(OPTIONS)}")
+    return KbitExporter(**{**OPTIONS, **args})

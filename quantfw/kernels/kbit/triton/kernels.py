@@ -1,0 +1,147 @@
+"""Triton kernels over the tiled kbit layout (``quantfw/kernels/kbit/layout.py``), in plain
+``triton.language`` (they also run in Triton's CPU interpreter, ``TRITON_INTERPRET=1``).
+
+* ``kbit_repack_kernel``: flat ``planes [N, K/32, bits]`` / ``absmax [N, K/32]`` -> the tiled
+  ``qweight [KT, NT, 128, 2, bits]`` / ``scales [KT, NT, 128, 2]``, one (k tile, n tile) per
+  program, padding with zero blocks.
+* ``kbit_dequant_kernel``: the tiled weight -> a dense ``[N, K]`` weight in the activation
+  dtype (the large-M path: dequantize, then cuBLAS through ``F.linear``).
+* ``kbit_gemm_kernel``: ``out [M, N] = x [M, K] @ W.T`` (+ bias) with the weight dequantized
+  tile by tile in registers: per ``BLOCK_N x BLOCK_K`` tile, each bit plane word is loaded once
+  per (column, block), bit ``l`` of plane ``b`` becomes bit ``b`` of element ``l``'s index
+  (shift, mask), the index selects a codebook level (a gather from the 2**bits-entry codebook,
+  which stays in L1), the E4M4 scale of the (column, block) is decoded with integer ops and
+  applied, and ``tl.dot`` runs the tile on tensor cores with fp32 accumulation. Small M uses a
+  16-row token tile; split-K CTAs add into a shared fp32 workspace and the last CTA of an
+  output tile to arrive (an acq_rel ticket) reads the sums and writes zeros back, adds the
+  bias and stores: one launch per matmul, no host synchronization (CUDA-graph capturable).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+TILE_N: tl.constexpr = 128  # layout.TILE_N
+TILE_K: tl.constexpr = 64  # layout.TILE_K: two blocks of 32
+
+
+@triton.jit
+def kbit_repack_kernel(
+    planes_ptr,  # int32 [N, KB, BITS]
+    absmax_ptr,  # uint8 [N, KB]
+    qweight_ptr,  # out: int32 [KT, NT, TILE_N, 2, BITS]
+    scales_ptr,  # out: uint8 [KT, NT, TILE_N, 2]
+    N,
+    KB,
+    NT,
+    BITS: tl.constexpr,
+):
+    kt = tl.program_id(0)
+    nt = tl.program_id(1)
+    c = tl.arange(0, TILE_N)[:, None]
+    j = tl.arange(0, 2)[None, :]
+    n = nt * TILE_N + c
+    kb = kt * 2 + j
+    mask = (n < N) & (kb < KB)
+    tile = (kt * NT + nt) * TILE_N + c
+    for b in tl.static_range(BITS):
+        word = tl.load(planes_ptr + (n * KB + kb) * BITS + b, mask=mask, other=0)
+        tl.store(qweight_ptr + (tile * 2 + j) * BITS + b, word)
+    code = tl.load(absmax_ptr + n * KB + kb, mask=mask, other=0)
+    tl.store(scales_ptr + tile * 2 + j, code)
+
+
+@triton.jit
+def decode_e4m4(code):
+    """uint8 E4M4 codes -> float32 (bias 11; exponent field 0: subnormal M * 2**-14)."""
+    c = code.to(tl.int32)
+    e = c >> 4
+    m = c & 0xF
+    normal = (((e + 116) << 23) | (m << 19)).to(tl.float32, bitcast=True)
+    return tl.where(e > 0, normal, m.to(tl.float32) * 0.00006103515625)
+
+
+@triton.jit
+def dequant_tile(
+    qweight_ptr, scales_ptr, codebook_ptr, n, kt0, KT, NT,
+    BITS: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """float32 ``[len(n), BLOCK_K]``: columns ``n`` (one n tile's worth or less) of the weight
+    at k = ``kt0 * 64 .. + BLOCK_K``; k tiles at or past KT read as zeros."""
+    BKB: tl.constexpr = BLOCK_K // 32
+    kb = kt0 * 2 + tl.arange(0, BKB)  # blocks of this k range
+    kt = kb // 2
+    tile = (kt[None, :] * NT + (n // TILE_N)[:, None]) * TILE_N + (n % TILE_N)[:, None]
+    block = tile * 2 + (kb % 2)[None, :]  # [BN, BKB]: (column, block) index in the layout
+    ok = (kt < KT)[None, :]
+    scale = decode_e4m4(tl.load(scales_ptr + block, mask=ok, other=0))
+    lanes = tl.arange(0, 32)[None, None, :]
+    idx = tl.zeros([n.shape[0], BKB, 32], dtype=tl.int32)
+    for b in tl.static_range(BITS):
+        word = tl.load(qweight_ptr + block * BITS + b, mask=ok, other=0)
+        idx |= ((word[:, :, None] >> lanes) & 1) << b
+    values = tl.load(codebook_ptr + idx) * scale[:, :, None]
+    return tl.reshape(values, [n.shape[0], BLOCK_K])
+
+
+@triton.jit
+def kbit_dequant_kernel(
+    qweight_ptr, scales_ptr, codebook_ptr, w_ptr, N, K, KT, NT,
+    BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """``w [N, K]`` (activation dtype) from the tiled weight; grid (N / BLOCK_N, K / BLOCK_K)."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    kt0 = tl.program_id(1) * (BLOCK_K // TILE_K)
+    w = dequant_tile(qweight_ptr, scales_ptr, codebook_ptr, n, kt0, KT, NT, BITS, BLOCK_K)
+    k = kt0 * TILE_K + tl.arange(0, BLOCK_K)
+    mask = (n < N)[:, None] & (k < K)[None, :]
+    tl.store(w_ptr + n[:, None] * K + k[None, :], w.to(w_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def kbit_gemm_kernel(
+    x_ptr, qweight_ptr, scales_ptr, codebook_ptr, out_ptr, bias_ptr, ws_ptr, cnt_ptr,
+    M, N, K, KT, NT, stride_xm, stride_om, ITERS, SPLIT,
+    BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    """grid (N / BLOCK_N, SPLIT, M / BLOCK_M); CTA ``s`` of an output tile runs the ``ITERS``
+    k steps (of BLOCK_K) from ``s * ITERS``. BLOCK_N divides 128, BLOCK_K is a multiple of 64."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = (m < M)[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for it in range(ITERS):
+        kt0 = (pid_s * ITERS + it) * (BLOCK_K // TILE_K)
+        k = kt0 * TILE_K + tl.arange(0, BLOCK_K)
+        x_mask = m_ok & (k < K)[None, :]
+        x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=x_mask, other=0.0)
+        w = dequant_tile(qweight_ptr, scales_ptr, codebook_ptr, n, kt0, KT, NT, BITS, BLOCK_K)
+        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+    mask = m_ok & (n < N)[None, :]
+    offs = m[:, None] * N + n[None, :]
+    if SPLIT > 1:
+        tl.atomic_add(ws_ptr + offs, acc, mask=mask, sem="relaxed")
+        tl.debug_barrier()
+        cnt = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
+        ticket = tl.atomic_add(cnt, 1, sem="acq_rel")
+        if ticket == SPLIT - 1:
+            tl.atomic_xchg(cnt, 0, sem="relaxed")
+            # after the acquiring ticket every CTA's adds have landed in L2: read them past L1
+            acc = tl.load(ws_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(ws_ptr + offs, tl.zeros_like(acc), mask=mask)
+            _store(acc, out_ptr, bias_ptr, m, n, mask, N, stride_om, HAS_BIAS)
+    else:
+        _store(acc, out_ptr, bias_ptr, m, n, mask, N, stride_om, HAS_BIAS)
+
+
+@triton.jit
+def _store(acc, out_ptr, bias_ptr, m, n, mask, N, stride_om, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + m[:, None] * stride_om + n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)

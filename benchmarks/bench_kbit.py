@@ -24,7 +24,6 @@ tuned configs as this GPU's kbit table. Not a test: run on a GPU machine, e.g.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import math
 import os
@@ -37,8 +36,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-import triton  # noqa: E402
-from bench_w4a16 import MS, SHAPES, measure_ceilings  # noqa: E402
+from bench_w4a16 import MS, gpu_meta, log, plot_panels, select_shapes  # noqa: E402
 
 from quantfw.kernels import kbit  # noqa: E402
 from quantfw.kernels import w4a16 as W  # noqa: E402
@@ -217,38 +215,21 @@ def write_outputs(out_dir, meta, rows, summary):
                 f"{r['fp16_over_kbit']:.2f} | `{r['config']}` |\n"
             )
         f.write("\n" + "\n".join(f"- {s}" for s in summary) + "\n")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, axes = plt.subplots(1, 2, figsize=(13, 5))
-        for bits in sorted({r["bits"] for r in perf}):
-            for name in dict.fromkeys(r["shape"] for r in perf):
-                rs = [r for r in perf if r["shape"] == name and r["bits"] == bits]
-                if not name.endswith("gate_up"):
-                    continue
-                label = f"{name} K={bits}"
-                axes[0].plot(
-                    [r["M"] for r in rs], [r["kbit_over_floor"] for r in rs], "o-", label=label
-                )
-                axes[1].plot(
-                    [r["M"] for r in rs], [r["fp16_over_kbit"] for r in rs], "o-", label=label
-                )
-        axes[0].axhline(1.5, color="k", ls="--", lw=0.8)
-        axes[1].axhline(1.0, color="gray", ls=":", lw=0.8)
-        for ax, t in zip(axes, ("kbit / floor", "fp16 cuBLAS / kbit (speed-up)")):
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlabel("M (tokens)")
-            ax.set_title(t)
-        axes[0].legend(fontsize=7)
-        fig.suptitle(f"kbit on {meta['gpu']} {meta['date']} (gate_up shapes)")
-        fig.tight_layout()
-        fig.savefig(base + ".png", dpi=110)
-    except Exception as e:
-        print(f"plot skipped: {e!r}")
+    curves = {}
+    for bits in sorted({r["bits"] for r in perf}):
+        for name in dict.fromkeys(r["shape"] for r in perf if r["shape"].endswith("gate_up")):
+            rs = [r for r in perf if r["shape"] == name and r["bits"] == bits]
+            curves[f"{name} K={bits}"] = (
+                [r["M"] for r in rs],
+                [r["kbit_over_floor"] for r in rs],
+                [r["fp16_over_kbit"] for r in rs],
+            )
+    panels = (
+        ("kbit / floor", [(1.5, "--")]),
+        ("fp16 cuBLAS / kbit (speed-up)", [(1.0, ":")]),
+    )
+    title = f"kbit on {meta['gpu']} {meta['date']} (gate_up shapes)"
+    plot_panels(base + ".png", title, curves, panels)
     return base
 
 
@@ -262,28 +243,8 @@ def main():
     ap.add_argument("--bits", default=",".join(map(str, BITS)))
     ap.add_argument("--configs-out", default=None, help="folder for this GPU's kbit config table")
     args = ap.parse_args()
-    torch.manual_seed(0)
-    props = torch.cuda.get_device_properties(0)
-    l2 = getattr(props, "L2_cache_size", 50 * 2**20)
-    meta = {
-        "gpu": torch.cuda.get_device_name(0),
-        "date": dt.date.today().isoformat(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "sms": props.multi_processor_count,
-        "l2_bytes": l2,
-    }
-
-    def log(s):
-        print(s, flush=True)
-
-    copy_bw, mm_rate = measure_ceilings()
-    meta["copy_bw_GBps"] = copy_bw / 1e9
-    meta["bf16_tflops"] = mm_rate / 1e12
-    log(f"{meta}")
-    shapes = (
-        SHAPES if args.shapes == "all" else [s for s in SHAPES if s[0] in args.shapes.split(",")]
-    )
+    meta, copy_bw, mm_rate, l2 = gpu_meta(log)
+    shapes = select_shapes(args.shapes)
     ms = [int(m) for m in args.ms.split(",")]
     bits_list = [int(b) for b in args.bits.split(",")]
     rows = []

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from quantfw.exporter.int4 import QUANTIZED_LINEARS
+from quantfw.exporter.checkpoint import quantize_linears
 from quantfw.kernels.kbit import format as kfmt
 
 #: the options kbit export takes, with their defaults
@@ -36,22 +36,18 @@ class KbitExporter:
             "quantizer": f"quantfw:{__version__}",
         }
 
+    def quantize_linear(
+        self, prefix: str, weight: torch.Tensor
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        planes, absmax = kfmt.quantize(weight, self.bits, self.codebook, name=f"{prefix}.weight")
+        yield f"{prefix}.kbit_planes", planes
+        yield f"{prefix}.kbit_absmax", absmax
+        yield f"{prefix}.kbit_codebook", self.codebook.clone()
+
     def convert(
         self, tensors: Iterator[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in tensors:
-            prefix, _, kind = name.rpartition(".")
-            if (
-                kind == "weight"
-                and tensor.dim() == 2
-                and prefix.split(".")[-1] in QUANTIZED_LINEARS
-            ):
-                planes, absmax = kfmt.quantize(tensor, self.bits, self.codebook, name=name)
-                yield f"{prefix}.kbit_planes", planes
-                yield f"{prefix}.kbit_absmax", absmax
-                yield f"{prefix}.kbit_codebook", self.codebook.clone()
-            else:
-                yield name, tensor
+        return quantize_linears(tensors, self.quantize_linear)
 
 
 def build(method: str, args: dict[str, Any], hf_config: dict[str, Any]) -> KbitExporter:

@@ -142,7 +142,7 @@ def kbit_reference_model(dense: str, bits: int, codebook: list[float] | None = N
     quantization (the format module's reference), as ``quantization="kbit"`` loads it."""
     from transformers import AutoModelForCausalLM
 
-    from quantfw.exporter.int4 import QUANTIZED_LINEARS
+    from quantfw.exporter.checkpoint import QUANTIZED_LINEARS
 
     model = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
     cb = kbit_format.normal_float_codebook(bits) if codebook is None else torch.tensor(codebook)

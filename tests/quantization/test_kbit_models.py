@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from checkpoint_edit import edited_copy
 
 import quantfw
 from quantfw.kernels.kbit import format as kfmt
@@ -180,27 +181,6 @@ def test_bad_config(args, match, dense_dir):
         )
 
 
-def _copy_with(src, dst, *, config=None, edit=None):
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    if config:
-        path = os.path.join(dst, "config.json")
-        with open(path) as f:
-            cfg = json.load(f)
-        cfg["quantization_config"].update(config)
-        with open(path, "w") as f:
-            json.dump(cfg, f)
-    if edit:
-        path = os.path.join(dst, "model.safetensors")
-        state = load_file(path)
-        edit(state)
-        save_file(state, path, metadata={"format": "pt"})
-    return str(dst)
-
-
 def _set(key, fn):
     def edit(state):
         state[key] = fn(state[key])
@@ -230,7 +210,7 @@ PREFIX = "model.layers.0.mlp.down_proj"
     ],
 )  # fmt: skip
 def test_bad_checkpoint(config, edit, error, match, exported, tmp_path):
-    folder = _copy_with(exported("llama", "kbit4"), tmp_path / "bad", config=config, edit=edit)
+    folder = edited_copy(exported("llama", "kbit4"), tmp_path / "bad", config=config, tensors=edit)
     with pytest.raises(error, match=match):
         quantfw.load_model(folder, dtype="float32", device="cpu")
 
@@ -240,7 +220,7 @@ def test_uint32_planes_load_like_int32(exported, tmp_path, quant_ref):
         for key in [k for k in state if k.endswith(".kbit_planes")]:
             state[key] = state[key].view(torch.uint32)
 
-    folder = _copy_with(exported("llama", "kbit3"), tmp_path / "u32", edit=as_uint32)
+    folder = edited_copy(exported("llama", "kbit3"), tmp_path / "u32", tensors=as_uint32)
     ids = quant_ref.ids(320, seed=4)
     with torch.no_grad():
         a = quantfw.load_model(folder, dtype="float32", device="cpu")(ids)
@@ -267,22 +247,16 @@ def test_tp_shard_that_splits_a_block_is_an_error():
 
 
 def test_dense_tensor_of_the_wrong_shape_is_an_error(dense_dir, tmp_path):
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    folder = tmp_path / "dense"
-    shutil.copytree(dense_dir("llama"), folder)
-    state = load_file(folder / "model.safetensors")
-    state[f"{PREFIX}.weight"] = state[f"{PREFIX}.weight"][:, :256].contiguous()
-    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    folder = edited_copy(
+        dense_dir("llama"),
+        tmp_path / "dense",
+        tensors=_set(f"{PREFIX}.weight", lambda t: t[:, :256].contiguous()),
+    )
     with pytest.raises(
         WeightLoadError,
         match=r"layer model\.layers\.0\.mlp\.down_proj: a dense weight \[out, 512\]",
     ):
-        quantfw.load_model(
-            str(folder), device="cpu", quantization="kbit", quantization_args={"bits": 4}
-        )
+        quantfw.load_model(folder, device="cpu", quantization="kbit", quantization_args={"bits": 4})
 
 
 def test_cli_export_options(dense_dir, tmp_path):

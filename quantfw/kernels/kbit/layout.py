@@ -65,16 +65,25 @@ def tiled_nbytes(out_features: int, in_features: int, bits: int) -> int:
     return blocks * (4 * bits + 1) + 4 * (1 << bits)
 
 
-def repack(
-    planes: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor, name: str = "kbit weight"
-) -> KbitWeight:
-    """Flat ``planes [N, K/32, bits]`` and ``absmax [N, K/32]`` -> the tiled `KbitWeight`
-    (torch ops on the tensors' device: the reference the Triton repack is checked against)."""
+def check_flat(
+    planes: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor, name: str
+) -> tuple[int, int, int, torch.Tensor]:
+    """(N, K/32, bits, float32 codebook on the planes' device) of flat checkpoint tensors that
+    fit together; a ValueError naming `name` otherwise."""
     if planes.dim() != 3:
         raise ValueError(f"{name}: kbit_planes are [out, in/32, bits], got {list(planes.shape)}")
     n, kb, bits = planes.shape
     kfmt.check_shapes(planes, absmax, bits, name)
     cb = kfmt.check_codebook(codebook, bits, f"{name} codebook").to(planes.device)
+    return n, kb, bits, cb
+
+
+def repack(
+    planes: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor, name: str = "kbit weight"
+) -> KbitWeight:
+    """Flat ``planes [N, K/32, bits]`` and ``absmax [N, K/32]`` -> the tiled `KbitWeight`
+    (torch ops on the tensors' device: the reference the Triton repack is checked against)."""
+    n, kb, bits, cb = check_flat(planes, absmax, codebook, name)
     kt, nt = tiled_shape(n, kb * kfmt.BLOCKSIZE)
     pad_n, pad_kb = nt * TILE_N - n, kt * BLOCKS_PER_TILE - kb
     planes = F.pad(planes, (0, 0, 0, pad_kb, 0, pad_n))

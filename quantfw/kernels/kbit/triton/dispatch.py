@@ -20,7 +20,7 @@ from quantfw.kernels.common import splitk
 from quantfw.kernels.common.timing import fastest_config
 from quantfw.kernels.kbit import format as kfmt
 from quantfw.kernels.kbit.configs import candidate_configs, m_bucket
-from quantfw.kernels.kbit.layout import TILE_K, TILE_N, KbitWeight, tiled_shape
+from quantfw.kernels.kbit.layout import TILE_K, TILE_N, KbitWeight, check_flat, tiled_shape
 from quantfw.kernels.kbit.tables import untuned_config
 from quantfw.kernels.kbit.triton.kernels import (
     kbit_dequant_kernel,
@@ -35,11 +35,7 @@ def repack(
     planes: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor, name: str = "kbit weight"
 ) -> KbitWeight:
     """`layout.repack` on the tensors' device with ``kbit_repack_kernel``."""
-    if planes.dim() != 3:
-        raise ValueError(f"{name}: kbit_planes are [out, in/32, bits], got {list(planes.shape)}")
-    n, kb, bits = planes.shape
-    kfmt.check_shapes(planes, absmax, bits, name)
-    cb = kfmt.check_codebook(codebook, bits, f"{name} codebook").to(planes.device)
+    n, kb, bits, cb = check_flat(planes, absmax, codebook, name)
     kt, nt = tiled_shape(n, kb * kfmt.BLOCKSIZE)
     dev = planes.device
     qweight = torch.empty(kt, nt, TILE_N, 2, bits, dtype=torch.int32, device=dev)

@@ -22,8 +22,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-TILE_N: tl.constexpr = 128  # layout.TILE_N
-TILE_K: tl.constexpr = 64  # layout.TILE_K: two blocks of 32
+TILE_N = tl.constexpr(128)  # layout.TILE_N
+TILE_K = tl.constexpr(64)  # layout.TILE_K: two blocks of 32
 
 
 @triton.jit
@@ -67,22 +67,23 @@ def dequant_tile(
     qweight_ptr, scales_ptr, codebook_ptr, n, kt0, KT, NT,
     BITS: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """float32 ``[len(n), BLOCK_K]``: columns ``n`` (one n tile's worth or less) of the weight
-    at k = ``kt0 * 64 .. + BLOCK_K``; k tiles at or past KT read as zeros."""
+    """float32 ``[BLOCK_K, len(n)]`` (k-major: the B operand of ``tl.dot``): columns ``n`` (one
+    n tile's worth or less) of the weight at k = ``kt0 * 64 .. + BLOCK_K``; k tiles at or past
+    KT read as zeros."""
     BKB: tl.constexpr = BLOCK_K // 32
     kb = kt0 * 2 + tl.arange(0, BKB)  # blocks of this k range
     kt = kb // 2
-    tile = (kt[None, :] * NT + (n // TILE_N)[:, None]) * TILE_N + (n % TILE_N)[:, None]
-    block = tile * 2 + (kb % 2)[None, :]  # [BN, BKB]: (column, block) index in the layout
-    ok = (kt < KT)[None, :]
+    tile = (kt[:, None] * NT + (n // TILE_N)[None, :]) * TILE_N + (n % TILE_N)[None, :]
+    block = tile * 2 + (kb % 2)[:, None]  # [BKB, BN]: (block, column) index in the layout
+    ok = (kt < KT)[:, None]
     scale = decode_e4m4(tl.load(scales_ptr + block, mask=ok, other=0))
-    lanes = tl.arange(0, 32)[None, None, :]
-    idx = tl.zeros([n.shape[0], BKB, 32], dtype=tl.int32)
+    lanes = tl.arange(0, 32)[None, :, None]
+    idx = tl.zeros([BKB, 32, n.shape[0]], dtype=tl.int32)
     for b in tl.static_range(BITS):
         word = tl.load(qweight_ptr + block * BITS + b, mask=ok, other=0)
-        idx |= ((word[:, :, None] >> lanes) & 1) << b
-    values = tl.load(codebook_ptr + idx) * scale[:, :, None]
-    return tl.reshape(values, [n.shape[0], BLOCK_K])
+        idx |= ((word[:, None, :] >> lanes) & 1) << b
+    values = tl.load(codebook_ptr + idx) * scale[:, None, :]
+    return tl.reshape(values, [BLOCK_K, n.shape[0]])  # k = 32 * block + lane
 
 
 @triton.jit
@@ -94,9 +95,11 @@ def kbit_dequant_kernel(
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     kt0 = tl.program_id(1) * (BLOCK_K // TILE_K)
     w = dequant_tile(qweight_ptr, scales_ptr, codebook_ptr, n, kt0, KT, NT, BITS, BLOCK_K)
+    w = tl.trans(w)  # [BLOCK_N, BLOCK_K]: rows of w_ptr
     k = kt0 * TILE_K + tl.arange(0, BLOCK_K)
     mask = (n < N)[:, None] & (k < K)[None, :]
-    tl.store(w_ptr + n[:, None] * K + k[None, :], w.to(w_ptr.dtype.element_ty), mask=mask)
+    rows = n.to(tl.int64)[:, None] * K  # N * K may pass 2**31
+    tl.store(w_ptr + rows + k[None, :], w.to(w_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -121,7 +124,7 @@ def kbit_gemm_kernel(
         x_mask = m_ok & (k < K)[None, :]
         x = tl.load(x_ptr + m[:, None] * stride_xm + k[None, :], mask=x_mask, other=0.0)
         w = dequant_tile(qweight_ptr, scales_ptr, codebook_ptr, n, kt0, KT, NT, BITS, BLOCK_K)
-        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+        acc = tl.dot(x, w.to(x.dtype), acc)
     mask = m_ok & (n < N)[None, :]
     offs = m[:, None] * N + n[None, :]
     if SPLIT > 1:

@@ -73,8 +73,8 @@ def test_configs_and_their_checks():
     for M in (1, 16, 17, 64, 65, 511, 512, 4096):
         for cfg in [*C.candidate_configs(M), C.default_config(M, 4096, 4096, 4)]:
             assert C.check_config(cfg) == cfg
-    assert [C.default_config(M, 64, 64, 4)[0] for M in (1, 16, 64, 511, 512)] == (
-        ["fused"] * 4 + ["deq"]
+    assert [C.default_config(M, 64, 64, 4)[0] for M in (1, 16, 64, 127, 128, 4096)] == (
+        ["fused"] * 4 + ["deq"] * 2
     )
     with pytest.raises(ValueError, match=r"here: unknown kernel kind 'mma'; kinds: fused, deq"):
         C.check_config(("mma", 1), "here")

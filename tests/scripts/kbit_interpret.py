@@ -61,29 +61,28 @@ def main() -> None:
             check(torch.equal(d, w_ref), f"dequantize bits={bits} block {bn}x{bk}")
         d16 = dispatch.dequantize(ref, torch.float16, 64, 64, 4)
         check(torch.equal(d16, w_ref.half()), f"dequantize fp16 bits={bits}")
-        # (config, SMs): split-K 1 and > 1, 16- and 32-token tiles, 32..128 columns
+        # (config, SMs, M): split-K 1 and > 1, 16- and 32-token tiles, 32..128 columns, deq
         runs = [
-            (("fused", 16, 64, 64, 4, 2, 1), 1),
-            (("fused", 16, 32, 128, 4, 2, 64), 16),
-            (("fused", 32, 128, 64, 4, 2, 64), 16),
-            (("deq", 64, 128, 4), 1),
+            (("fused", 16, 64, 64, 4, 1, 1), 1, 1),
+            (("fused", 16, 32, 128, 4, 2, 64), 16, 19),
+            (("fused", 32, 128, 64, 4, 2, 64), 16, 19),
+            (("deq", 64, 128, 4), 1, 19),
         ]
-        for M in (1, 19):
+        for cfg, sms, M in runs:
             x = torch.randn(M, K, generator=gen).half()
             bias = torch.randn(N, generator=gen).half()
             want = x.double() @ w_ref.double().t() + bias.double()
-            for cfg, sms in runs:
-                if cfg[0] == "fused":
-                    tiles = -(-N // cfg[2]) * -(-M // cfg[1])
-                    steps = -(-ref.qweight.shape[0] // (cfg[3] // 64))
-                    split, _ = splitk.split_plan(steps, tiles, sms, cfg[6])
-                    check((split > 1) == (sms > 1), f"{cfg} sms={sms}: split {split}")
-                out = dispatch.gemm(x, ref, bias, cfg, sms=sms)
-                err = rel_err(out, want)
-                check(out.shape == (M, N) and out.dtype == torch.float16, f"{cfg} shape/dtype")
-                check(err < 2e-3, f"gemm bits={bits} N={N} K={K} M={M} {cfg} sms={sms}: {err:.2e}")
-                ws, cnt = splitk.WORKSPACE.get("cpu", (torch.zeros(1), torch.zeros(1)))
-                check(not ws.any() and not cnt.any(), f"workspace left dirty by {cfg} sms={sms}")
+            if cfg[0] == "fused":
+                tiles = -(-N // cfg[2]) * -(-M // cfg[1])
+                steps = -(-ref.qweight.shape[0] // (cfg[3] // 64))
+                split, _ = splitk.split_plan(steps, tiles, sms, cfg[6])
+                check((split > 1) == (sms > 1), f"{cfg} sms={sms}: split {split}")
+            out = dispatch.gemm(x, ref, bias, cfg, sms=sms)
+            err = rel_err(out, want)
+            check(out.shape == (M, N) and out.dtype == torch.float16, f"{cfg} shape/dtype")
+            check(err < 2e-3, f"gemm bits={bits} N={N} K={K} M={M} {cfg} sms={sms}: {err:.2e}")
+            ws, cnt = splitk.WORKSPACE.get("cpu", (torch.zeros(1), torch.zeros(1)))
+            check(not ws.any() and not cnt.any(), f"workspace left dirty by {cfg} sms={sms}")
         out = dispatch.gemm(x, ref, None, ("fused", 16, 64, 128, 4, 2, 8), sms=4)
         check(rel_err(out, x.double() @ w_ref.double().t()) < 2e-3, "gemm without bias")
         print(f"bits={bits} N={N} K={K}: ok", flush=True)

@@ -7,14 +7,15 @@
 * ``kbit_dequant_kernel``: the tiled weight -> a dense ``[N, K]`` weight in the activation
   dtype (the large-M path: dequantize, then cuBLAS through ``F.linear``).
 * ``kbit_gemm_kernel``: ``out [M, N] = x [M, K] @ W.T`` (+ bias) with the weight dequantized
-  tile by tile in registers: per ``BLOCK_N x BLOCK_K`` tile, each bit plane word is loaded once
-  per (column, block), bit ``l`` of plane ``b`` becomes bit ``b`` of element ``l``'s index
-  (shift, mask), the index selects a codebook level (a gather from the 2**bits-entry codebook,
-  which stays in L1), the E4M4 scale of the (column, block) is decoded with integer ops and
-  applied, and ``tl.dot`` runs the tile on tensor cores with fp32 accumulation. Small M uses a
-  16-row token tile; split-K CTAs add into a shared fp32 workspace and the last CTA of an
-  output tile to arrive (an acq_rel ticket) reads the sums and writes zeros back, adds the
-  bias and stores: one launch per matmul, no host synchronization (CUDA-graph capturable).
+  tile by tile in registers (``dequant_tile``): each bit-plane word is loaded once per (block,
+  column); the tile is built lane by lane (element ``l`` of every block at once), so shifts
+  and masks are constants; K <= 3 picks the level with a tree of selects on the lane's bits,
+  K >= 4 assembles the index and gathers the level from the codebook (L1 resident); the E4M4
+  scale of the (block, column) is decoded with integer ops and applied, and ``tl.dot`` runs
+  the tile on tensor cores with fp32 accumulation. Small M uses a 16-row token tile; split-K
+  CTAs add into a shared fp32 workspace and the last CTA of an output tile to arrive (an
+  acq_rel ticket) reads the sums and writes zeros back, adds the bias and stores: one launch
+  per matmul, no host synchronization (CUDA-graph capturable).
 """
 
 from __future__ import annotations
@@ -63,6 +64,46 @@ def decode_e4m4(code):
 
 
 @triton.jit
+def _lane_index(words, lane: tl.constexpr, BITS: tl.constexpr):
+    """The index of element ``lane`` of each block: bit ``lane`` of plane ``b`` moved to bit ``b``
+    (constant shifts: one shift and one and-or per bit)."""
+    idx = tl.zeros_like(words[0])
+    for b in tl.static_range(BITS):
+        if lane >= b:
+            idx |= (words[b] >> (lane - b)) & (1 << b)
+        else:
+            idx |= (words[b] << (b - lane)) & (1 << b)
+    return idx
+
+
+@triton.jit
+def _lane_bit(word, lane: tl.constexpr):
+    """Whether bit ``lane`` of each int32 word is set."""
+    if lane == 31:
+        return word < 0
+    else:
+        return (word & (1 << lane)) != 0
+
+
+@triton.jit
+def _lane_level(words, levels, codebook_ptr, lane: tl.constexpr, BITS: tl.constexpr):
+    """The codebook level of element ``lane`` of each block. K <= 3: a tree of selects between
+    the levels (scalars), one per index bit; K >= 4: a gather from the codebook (L1 resident)
+    at the index assembled from the planes."""
+    if BITS <= 3:
+        vals = levels
+        for b in tl.static_range(BITS):  # pairs (2i, 2i + 1) differ in bit b of the index
+            bit = _lane_bit(words[b], lane)
+            nxt = ()
+            for i in tl.static_range((1 << BITS) >> (b + 1)):
+                nxt = nxt + (tl.where(bit, vals[2 * i + 1], vals[2 * i]),)
+            vals = nxt
+        return vals[0]
+    else:
+        return tl.load(codebook_ptr + _lane_index(words, lane, BITS))
+
+
+@triton.jit
 def dequant_tile(
     qweight_ptr, scales_ptr, codebook_ptr, n, kt0, KT, NT,
     BITS: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -77,12 +118,24 @@ def dequant_tile(
     block = tile * 2 + (kb % 2)[:, None]  # [BKB, BN]: (block, column) index in the layout
     ok = (kt < KT)[:, None]
     scale = decode_e4m4(tl.load(scales_ptr + block, mask=ok, other=0))
-    lanes = tl.arange(0, 32)[None, :, None]
-    idx = tl.zeros([BKB, 32, n.shape[0]], dtype=tl.int32)
+    words = ()
     for b in tl.static_range(BITS):
-        word = tl.load(qweight_ptr + block * BITS + b, mask=ok, other=0)
-        idx |= ((word[:, None, :] >> lanes) & 1) << b
-    values = tl.load(codebook_ptr + idx) * scale[:, None, :]
+        words = words + (tl.load(qweight_ptr + block * BITS + b, mask=ok, other=0),)
+    # one [BKB, BN] tensor per lane, each with constant shifts; joined pairwise so that the
+    # trailing dims (j0, .., j4) hold lane j0 + 2 j1 + 4 j2 + 8 j3 + 16 j4
+    levels = ()
+    if BITS <= 3:
+        for j in tl.static_range(1 << BITS):
+            levels = levels + (tl.load(codebook_ptr + j),)
+    vals = ()
+    for lane in tl.static_range(32):
+        vals = vals + (_lane_level(words, levels, codebook_ptr, lane, BITS) * scale,)
+    for level in tl.static_range(5):
+        joined = ()
+        for i in tl.static_range(16 >> level):
+            joined = joined + (tl.join(vals[2 * i], vals[2 * i + 1]),)
+        vals = joined
+    values = tl.permute(vals[0], (0, 6, 5, 4, 3, 2, 1))  # [BKB, j4, j3, j2, j1, j0, BN]
     return tl.reshape(values, [BLOCK_K, n.shape[0]])  # k = 32 * block + lane
 
 

@@ -123,6 +123,47 @@ def test_triton_kernels_in_the_interpreter():
     )
 
 
+_GEMM_SIGNATURE = {
+    "x_ptr": "*fp16", "qweight_ptr": "*i32", "scales_ptr": "*u8", "codebook_ptr": "*fp32",
+    "out_ptr": "*fp16", "bias_ptr": "*fp16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32",
+    "N": "i32", "K": "i32", "KT": "i32", "NT": "i32", "stride_xm": "i32", "stride_om": "i32",
+    "ITERS": "i32", "SPLIT": "i32", "BITS": "constexpr", "BLOCK_M": "constexpr",
+    "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "HAS_BIAS": "constexpr",
+}  # fmt: skip
+_DEQUANT_SIGNATURE = {
+    "qweight_ptr": "*i32", "scales_ptr": "*u8", "codebook_ptr": "*fp32", "w_ptr": "*bf16",
+    "N": "i32", "K": "i32", "KT": "i32", "NT": "i32", "BITS": "constexpr",
+    "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+}  # fmt: skip
+_REPACK_SIGNATURE = {
+    "planes_ptr": "*i32", "absmax_ptr": "*u8", "qweight_ptr": "*i32", "scales_ptr": "*u8",
+    "N": "i32", "KB": "i32", "NT": "i32", "BITS": "constexpr",
+}  # fmt: skip
+
+
+def test_kernels_compile_for_sm90_without_a_gpu():
+    """Ahead-of-time compiles (Triton's bundled ptxas, no GPU): what the interpreter does not
+    check (constexpr rules, layouts, the select tree and the gather paths, shared memory)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from quantfw.kernels.kbit.triton import kernels as KK
+
+    def compile_(fn, signature, constexprs, warps=4, stages=2):
+        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+        options = {"num_warps": warps, "num_stages": stages}
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+    for bits, tile in ((3, (16, 64, 128)), (4, (64, 128, 64))):
+        bm, bn, bk = tile
+        consts = {"BITS": bits, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "HAS_BIAS": True}
+        kernel = compile_(KK.kbit_gemm_kernel, _GEMM_SIGNATURE, consts)
+        assert kernel.metadata.shared <= 228 * 1024
+    compile_(KK.kbit_dequant_kernel, _DEQUANT_SIGNATURE, {"BITS": 5, "BLOCK_N": 64, "BLOCK_K": 128})
+    compile_(KK.kbit_repack_kernel, _REPACK_SIGNATURE, {"BITS": 3})
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU
 

@@ -185,22 +185,30 @@ def test_gpu_repack_matches_reference(bits):
 
 
 @gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
-    "bits,N,K", [(2, 392, 4160), (3, 1024, 512), (4, 256, 1056), (5, 640, 320)]
+    "bits,N,K,dtype",
+    [
+        (2, 392, 4160, torch.float16),
+        (3, 1024, 512, torch.float16),
+        (4, 256, 1056, torch.float16),
+        (4, 256, 1056, torch.bfloat16),
+        (5, 640, 320, torch.float16),
+    ],
 )
-def test_gpu_every_config_matches_reference(bits, N, K, dtype):
+def test_gpu_configs_match_reference(bits, N, K, dtype):
+    """The default config and two tuning candidates per M (fused with split-K 1 and > 1, deq),
+    padded N and K, bias; the split-K workspace is left clean."""
     from quantfw.kernels.common import splitk
     from quantfw.kernels.kbit.triton.dispatch import kbit_matmul_cuda
 
     planes, absmax, cb, ref = random_weight(N, K, bits, seed=N + K, device="cuda")
     w = kbit.repack_weight(planes, absmax, cb)
     gen = torch.Generator(device="cuda").manual_seed(bits)
-    for M in (1, 7, 16, 33, 300, 1024):
+    for M in (1, 7, 33, 300):
         x = torch.randn(M, K, device="cuda", generator=gen).to(dtype)
         bias = torch.randn(N, device="cuda", generator=gen).to(dtype)
         want = x.double() @ ref.double().t() + bias.double()
-        configs = {*C.candidate_configs(M), C.default_config(M, N, K, bits)}
+        configs = {C.default_config(M, N, K, bits), *C.candidate_configs(M)[:2]}
         for cfg in sorted(configs):
             out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
             out.copy_(kbit_matmul_cuda(x, w, bias, config=cfg))

@@ -319,6 +319,51 @@ def write_outputs(out_dir, meta, rows, extra, summary):
             "quantfw/kernels/w4a16/tuned, as it was before this run; else `default_config`).\n"
         )
         f.write("\n" + "\n".join(f"- {s}" for s in summary) + "\n")
+    curves = {}
+    for name in dict.fromkeys(r["shape"] for r in perf):
+        rs = [r for r in perf if r["shape"] == name]
+        curves[name] = (
+            [r["M"] for r in rs],
+            [r["ours_over_floor"] for r in rs],
+            [r["ours_over_fp16"] for r in rs],
+        )
+    panels = (("ours / floor", [(1.33, "--")]), ("ours / fp16 cuBLAS", [(1.15, "--"), (1.0, ":")]))
+    plot_panels(base + ".png", f"W4A16 on {meta['gpu']} {meta['date']}", curves, panels)
+    return base
+
+
+def log(s):
+    print(s, flush=True)
+
+
+def gpu_meta(log=log):
+    """(meta, copy bandwidth B/s, bf16 matmul FLOP/s, L2 bytes) of GPU 0, ceilings measured
+    now (seeds torch first)."""
+    torch.manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    l2 = getattr(props, "L2_cache_size", 50 * 2**20)
+    meta = {
+        "gpu": torch.cuda.get_device_name(0),
+        "date": dt.date.today().isoformat(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "sms": props.multi_processor_count,
+        "l2_bytes": l2,
+    }
+    copy_bw, mm_rate = measure_ceilings()
+    meta["copy_bw_GBps"] = copy_bw / 1e9
+    meta["bf16_tflops"] = mm_rate / 1e12
+    log(f"{meta}")
+    return meta, copy_bw, mm_rate, l2
+
+
+def select_shapes(names: str):
+    return SHAPES if names == "all" else [s for s in SHAPES if s[0] in names.split(",")]
+
+
+def plot_panels(path, title, curves, panels):
+    """Two log-log panels against M: ``curves`` maps a label to (ms, left values, right
+    values); ``panels`` is ((title, reference lines), (title, reference lines))."""
     try:
         import matplotlib
 
@@ -326,25 +371,22 @@ def write_outputs(out_dir, meta, rows, extra, summary):
         import matplotlib.pyplot as plt
 
         fig, axes = plt.subplots(1, 2, figsize=(13, 5))
-        for name in dict.fromkeys(r["shape"] for r in perf):
-            rs = [r for r in perf if r["shape"] == name]
-            axes[0].plot([r["M"] for r in rs], [r["ours_over_floor"] for r in rs], "o-", label=name)
-            axes[1].plot([r["M"] for r in rs], [r["ours_over_fp16"] for r in rs], "o-", label=name)
-        axes[0].axhline(1.33, color="k", ls="--", lw=0.8)
-        axes[1].axhline(1.15, color="k", ls="--", lw=0.8)
-        axes[1].axhline(1.0, color="gray", ls=":", lw=0.8)
-        for ax, t in zip(axes, ("ours / floor", "ours / fp16 cuBLAS")):
+        for label, (ms, left, right) in curves.items():
+            axes[0].plot(ms, left, "o-", label=label)
+            axes[1].plot(ms, right, "o-", label=label)
+        for ax, (panel_title, lines) in zip(axes, panels):
+            for y, style in lines:
+                ax.axhline(y, color="k" if style == "--" else "gray", ls=style, lw=0.8)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("M (tokens)")
-            ax.set_title(t)
+            ax.set_title(panel_title)
         axes[0].legend(fontsize=7)
-        fig.suptitle(f"W4A16 on {meta['gpu']} {meta['date']}")
+        fig.suptitle(title)
         fig.tight_layout()
-        fig.savefig(base + ".png", dpi=110)
+        fig.savefig(path, dpi=110)
     except Exception as e:
         print(f"plot skipped: {e!r}")
-    return base
 
 
 def main():
@@ -359,28 +401,8 @@ def main():
         help="folder to write this GPU's table of the configs tuned here (w4a16.tables format)",
     )
     args = ap.parse_args()
-    torch.manual_seed(0)
-    props = torch.cuda.get_device_properties(0)
-    l2 = getattr(props, "L2_cache_size", 50 * 2**20)
-    meta = {
-        "gpu": torch.cuda.get_device_name(0),
-        "date": dt.date.today().isoformat(),
-        "torch": torch.__version__,
-        "sms": props.multi_processor_count,
-        "l2_bytes": l2,
-    }
-    meta["triton"] = triton.__version__
-
-    def log(s):
-        print(s, flush=True)
-
-    copy_bw, mm_rate = measure_ceilings()
-    meta["copy_bw_GBps"] = copy_bw / 1e9
-    meta["bf16_tflops"] = mm_rate / 1e12
-    log(f"{meta}")
-    shapes = (
-        SHAPES if args.shapes == "all" else [s for s in SHAPES if s[0] in args.shapes.split(",")]
-    )
+    meta, copy_bw, mm_rate, l2 = gpu_meta(log)
+    shapes = select_shapes(args.shapes)
     ms = [int(m) for m in args.ms.split(",")]
     rows = []
     os.makedirs(args.out, exist_ok=True)

@@ -8,9 +8,10 @@ import argparse
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "quantize",
-        help="RTN-quantize a dense HF checkpoint into the AWQ (GEMM) or GPTQ on-disk format",
+        help="quantize a dense HF checkpoint into the AWQ (GEMM), GPTQ or kbit on-disk format",
         description="Round-to-nearest quantization (no calibration) of the decoder's linear "
-        "layers; embeddings, norms and lm_head keep their dtype.",
+        "layers (kbit: nearest codebook level per element); embeddings, norms and lm_head keep "
+        "their dtype.",
     )
     p.add_argument("model", help="local folder or hub repo id of a dense checkpoint")
     from quantfw.exporter import EXPORT_METHODS
@@ -19,7 +20,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="output folder")
     # method options: only those given are passed on (each method has its own defaults and
     # rejects options it does not take)
-    p.add_argument("--bits", type=int, help="4 (AWQ, default); 2, 3, 4 or 8 (GPTQ, default 4)")
+    p.add_argument(
+        "--bits", type=int, help="4 (AWQ, default); 2, 3, 4 or 8 (GPTQ, default 4); 2..5 (kbit)"
+    )
+    p.add_argument("--blocksize", type=int, help="kbit: elements per block (32, the default)")
     p.add_argument("--group-size", type=int, help="default 128; -1: one group per column")
     p.add_argument(
         "--desc-act",
@@ -42,7 +46,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 #: CLI flag (argparse dest) -> exporter option
-METHOD_OPTIONS = ("bits", "group_size", "desc_act", "sym", "checkpoint_format", "seed")
+METHOD_OPTIONS = ("bits", "blocksize", "group_size", "desc_act", "sym", "checkpoint_format", "seed")
 
 
 def run(args: argparse.Namespace) -> int:

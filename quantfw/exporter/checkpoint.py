@@ -7,7 +7,7 @@ import importlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -22,6 +22,9 @@ from quantfw.loaders.weight_utils import (
 )
 
 _METADATA_SUFFIXES = (".json", ".model", ".txt", ".tiktoken", ".jinja")
+
+#: the decoder's linear layers that export quantizes (embeddings, norms, lm_head keep their dtype)
+QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class MethodExporter(Protocol):
@@ -39,7 +42,22 @@ class MethodExporter(Protocol):
 EXPORT_METHODS: dict[str, str] = {
     "awq": "quantfw.exporter.int4:build",
     "gptq": "quantfw.exporter.int4:build",
+    "kbit": "quantfw.exporter.kbit:build",
 }
+
+
+def quantize_linears(
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    quantize_linear: Callable[[str, torch.Tensor], Iterator[tuple[str, torch.Tensor]]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor as it is, except the 2-D ``weight`` of a `QUANTIZED_LINEARS` layer, which
+    ``quantize_linear(prefix, weight)`` replaces by the tensors it yields."""
+    for name, tensor in tensors:
+        prefix, _, kind = name.rpartition(".")
+        if kind == "weight" and tensor.dim() == 2 and prefix.split(".")[-1] in QUANTIZED_LINEARS:
+            yield from quantize_linear(prefix, tensor)
+        else:
+            yield name, tensor
 
 
 def register_export_method(name: str, target: str) -> None:

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
+from quantfw.exporter.checkpoint import quantize_linears
 from quantfw.kernels import reference
 
-QUANTIZED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: layers whose inputs are the same tensor share an act-order permutation (and so g_idx)
 _SHARED_INPUT = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
 
@@ -170,16 +170,7 @@ class Int4Exporter:
     def convert(
         self, tensors: Iterator[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in tensors:
-            prefix, _, kind = name.rpartition(".")
-            if (
-                kind == "weight"
-                and tensor.dim() == 2
-                and prefix.split(".")[-1] in QUANTIZED_LINEARS
-            ):
-                yield from self.quantize_linear(prefix, tensor)
-            else:
-                yield name, tensor
+        return quantize_linears(tensors, self.quantize_linear)
 
 
 #: the options each method takes, with their defaults

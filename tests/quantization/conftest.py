@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from quantfw.exporter import quantize_checkpoint
 from quantfw.kernels import reference
+from quantfw.kernels.kbit import format as kbit_format
 
 # hidden 256 / intermediate 512 so that with TP=2 every Row shard (128 / 256 inputs) holds whole
 # groups of 64 or 128; 4 heads of 64, 2 kv heads (llama) or 1 (qwen3, replicated under TP=2)
@@ -45,6 +46,7 @@ EXPORTS = {
         method="gptq", bits=8, group_size=64, desc_act=True, checkpoint_format="gptq_v2"
     ),
     "gptq3_v1_g128": dict(method="gptq", bits=3, group_size=128, checkpoint_format="gptq"),
+    **{f"kbit{bits}": dict(method="kbit", bits=bits) for bits in (2, 3, 4, 5)},
 }
 
 
@@ -94,6 +96,13 @@ def dequantized_weights(folder: str) -> dict[str, torch.Tensor]:
         qc = json.load(f)["quantization_config"]
     tensors = load_file(os.path.join(folder, "model.safetensors"))
     weights = {}
+    if qc["quant_method"] == "kbit":
+        for name in tensors:
+            if name.endswith(".kbit_planes"):
+                prefix = name[: -len(".kbit_planes")]
+                t = [tensors[f"{prefix}.kbit_{k}"] for k in ("planes", "absmax", "codebook")]
+                weights[prefix] = kbit_format.dequantize(*t)
+        return weights
     for name in tensors:
         if not name.endswith(".qweight"):
             continue
@@ -128,6 +137,25 @@ def reference_model(dense: str, quantized: str):
     return model
 
 
+def kbit_reference_model(dense: str, bits: int, codebook: list[float] | None = None):
+    """The transformers model of `dense` with every decoder linear weight replaced by its kbit
+    quantization (the format module's reference), as ``quantization="kbit"`` loads it."""
+    from transformers import AutoModelForCausalLM
+
+    from quantfw.exporter.checkpoint import QUANTIZED_LINEARS
+
+    model = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
+    cb = kbit_format.normal_float_codebook(bits) if codebook is None else torch.tensor(codebook)
+    count = 0
+    for name, module in model.named_modules():
+        if name.rpartition(".")[2] in QUANTIZED_LINEARS:
+            planes, absmax = kbit_format.quantize(module.weight.data, bits, cb)
+            module.weight.data.copy_(kbit_format.dequantize(planes, absmax, cb))
+            count += 1
+    assert count, "no linear layers found"
+    return model
+
+
 def random_ids(vocab: int, seed: int, batch: int = 2, seq: int = 11) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
 
@@ -140,6 +168,7 @@ def quant_ref():
         exports = EXPORTS
         error = staticmethod(relative_error)
         model = staticmethod(reference_model)
+        kbit_model = staticmethod(kbit_reference_model)
         weights = staticmethod(dequantized_weights)
         ids = staticmethod(random_ids)
 

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from checkpoint_edit import edited_copy
 
 import quantfw
 from quantfw.layers.quantization.awq import AWQConfig, AWQLinearMethod
@@ -118,23 +117,6 @@ def test_tensor_parallel_2_equals_tp_1(exported, quant_ref, tmp_path):
         assert err <= 1e-5, f"{family}/{name}: TP=2 vs TP=1 relative error {err:.3e}"
 
 
-def _edited_copy(src, dst, *, config=None, tensors=None):
-    shutil.copytree(src, dst)
-    if config:
-        path = os.path.join(dst, "config.json")
-        with open(path) as f:
-            cfg = json.load(f)
-        cfg["quantization_config"].update(config)
-        with open(path, "w") as f:
-            json.dump(cfg, f)
-    if tensors:
-        path = os.path.join(dst, "model.safetensors")
-        state = load_file(path)
-        tensors(state)
-        save_file(state, path, metadata={"format": "pt"})
-    return str(dst)
-
-
 @pytest.mark.parametrize(
     "name,edit,match",
     [
@@ -145,7 +127,7 @@ def _edited_copy(src, dst, *, config=None, tensors=None):
     ],
 )
 def test_bad_config(name, edit, match, exported, tmp_path):
-    folder = _edited_copy(exported("llama", name), tmp_path / "bad", config=edit)
+    folder = edited_copy(exported("llama", name), tmp_path / "bad", config=edit)
     with pytest.raises(ValueError, match=match):
         quantfw.load_model(folder, dtype="float32", device="cpu")
 
@@ -160,7 +142,7 @@ def test_bad_config(name, edit, match, exported, tmp_path):
     ],
 )
 def test_checkpoint_contradicts_config(name, edit, match, exported, tmp_path):
-    folder = _edited_copy(exported("llama", name), tmp_path / "bad", config=edit)
+    folder = edited_copy(exported("llama", name), tmp_path / "bad", config=edit)
     with pytest.raises(WeightLoadError, match=match):
         quantfw.load_model(folder, dtype="float32", device="cpu")
 
@@ -170,7 +152,7 @@ def test_fused_parts_must_share_g_idx(exported, tmp_path):
         key = "model.layers.1.self_attn.k_proj.g_idx"
         state[key] = state[key].flip(0).contiguous()
 
-    folder = _edited_copy(exported("llama", "gptq_v1_act_g64"), tmp_path / "bad", tensors=shuffle_k)
+    folder = edited_copy(exported("llama", "gptq_v1_act_g64"), tmp_path / "bad", tensors=shuffle_k)
     with pytest.raises(
         WeightLoadError, match=r"qkv_proj\.g_idx.*fused part '[qkv]' carries a different value"
     ):

@@ -98,3 +98,21 @@ def load_state(folder: str, prefix: str) -> dict[str, torch.Tensor]:
 
     tensors = load_file(f"{folder}/model.safetensors")
     return {k[len(prefix) + 1 :]: v for k, v in tensors.items() if k.startswith(prefix + ".")}
+
+
+@pytest.mark.parametrize("quantized", [True, False])
+def test_kbit_runtime_tensors_are_buffers(quantized, exported, dense_dir):
+    if quantized:
+        model = quantfw.load_model(exported("qwen3", "kbit3"), dtype="float32", device="cpu")
+    else:
+        model = quantfw.load_model(
+            dense_dir("qwen3"), dtype="float32", device="cpu", quantization="kbit",
+            quantization_args={"bits": 5},
+        )  # fmt: skip
+    runtime = {n.rpartition(".")[2] for n, _ in model.named_buffers()}
+    assert runtime >= {"kbit_qweight", "kbit_scales", "kbit_codebook"}
+    layer = model.model.layers[0].mlp.gate_up_proj
+    bits = 3 if quantized else 5
+    # 1024 x 256 weight: 8 blocks per row, no padding; K bit-plane words + 1 E4M4 byte per block
+    assert layer.quant_method.runtime_nbytes(layer) == 1024 * 8 * (4 * bits + 1) + 4 * 2**bits
+    check_accounting(model)

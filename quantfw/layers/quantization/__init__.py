@@ -39,6 +39,7 @@ QUANTIZATION_METHODS = Registry(
 _BUILTIN: dict[str, str] = {
     "awq": "quantfw.layers.quantization.awq:AWQConfig",
     "gptq": "quantfw.layers.quantization.gptq:GPTQConfig",
+    "kbit": "quantfw.layers.quantization.kbit:KbitConfig",
 }
 for _name, _target in _BUILTIN.items():
     QUANTIZATION_METHODS.register(_name, _target)
@@ -97,4 +98,5 @@ def resolve_quantization_config(
     config = cls.from_config(merged)
     if not config.modules_to_not_convert and merged.get("modules_to_not_convert"):
         config.modules_to_not_convert = list(merged["modules_to_not_convert"])
+    config.checkpoint_is_quantized = from_checkpoint is not None
     return config

@@ -21,6 +21,7 @@ from quantfw.layers.quantization.base import (
     QuantizationConfig,
     QuantizeMethodBase,
     UnquantizedLinearMethod,
+    check_divisible,
     replace_with_buffers,
 )
 from quantfw.layers.sharding import set_weight_attrs
@@ -115,7 +116,7 @@ class AWQLinearMethod(LinearMethodBase):
     ) -> None:
         group_size = self.config.group_size
         for size in output_partition_sizes:
-            int4.check_divisible(
+            check_divisible(
                 layer,
                 "output size per partition",
                 size,
@@ -125,7 +126,7 @@ class AWQLinearMethod(LinearMethodBase):
         if group_size == -1:
             num_groups, group_attrs = 1, {}  # one group: scales/zeros shared by every rank
         else:
-            int4.check_divisible(
+            check_divisible(
                 layer,
                 "input size per partition",
                 input_size_per_partition,

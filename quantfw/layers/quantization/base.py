@@ -44,6 +44,16 @@ class QuantizeMethodBase(ABC):
         raise NotImplementedError(f"{type(self).__name__} does not report runtime_nbytes")
 
 
+def check_divisible(layer: nn.Module, what: str, size: int, divisor: int, why: str) -> None:
+    """Raise a clear error when a per-rank size would split a group or a packed int32."""
+    if size % divisor:
+        tp = getattr(layer, "tp_size", 1)
+        raise ValueError(
+            f"layer {getattr(layer, 'prefix', '') or '(root)'}: {what} {size} (tensor_parallel_size "
+            f"{tp}) is not a multiple of {divisor}: {why}"
+        )
+
+
 def replace_with_buffers(
     layer: nn.Module, drop: tuple[str, ...], buffers: dict[str, torch.Tensor | None]
 ) -> None:
@@ -96,6 +106,10 @@ class QuantizationConfig(ABC):
     modules_to_not_convert: list[str] = []
     #: Linear-layer names fused by the model (e.g. qkv_proj -> q/k/v); set by the loader.
     packed_modules_mapping: dict[str, list[str]] = {}
+    #: Whether the checkpoint's config.json names this method (its tensors are quantized);
+    #: False for a dense checkpoint loaded with ``quantization=...``, which a method that
+    #: quantizes while loading (kbit) serves. Set by resolve_quantization_config.
+    checkpoint_is_quantized: bool = True
 
     @classmethod
     @abstractmethod

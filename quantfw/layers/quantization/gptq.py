@@ -28,6 +28,7 @@ from quantfw.layers.quantization.base import (
     QuantizationConfig,
     QuantizeMethodBase,
     UnquantizedLinearMethod,
+    check_divisible,
     replace_with_buffers,
 )
 from quantfw.layers.sharding import set_weight_attrs
@@ -135,12 +136,12 @@ class GPTQLinearMethod(LinearMethodBase):
         word = 32 // math.gcd(32, bits)  # codes per whole number of int32 words
         why = f"GPTQ packs {bits}-bit codes into int32 words and a shard would split one"
         for size in output_partition_sizes:
-            int4.check_divisible(layer, "output size per partition", size, word, why)
-        int4.check_divisible(layer, "input size per partition", input_size_per_partition, word, why)
+            check_divisible(layer, "output size per partition", size, word, why)
+        check_divisible(layer, "input size per partition", input_size_per_partition, word, why)
         in_sharded = input_size_per_partition != input_size
         groups_sharded = group_size != -1 and not cfg.desc_act
         if groups_sharded and in_sharded:
-            int4.check_divisible(
+            check_divisible(
                 layer,
                 "input size per partition",
                 input_size_per_partition,

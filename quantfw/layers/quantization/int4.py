@@ -22,16 +22,6 @@ from quantfw.kernels import torch_ops, w4a16
 from quantfw.layers.quantization.base import replace_with_buffers
 
 
-def check_divisible(layer: nn.Module, what: str, size: int, divisor: int, why: str) -> None:
-    """Raise a clear error when a per-rank size would split a group or a packed int32."""
-    if size % divisor:
-        tp = getattr(layer, "tp_size", 1)
-        raise ValueError(
-            f"layer {getattr(layer, 'prefix', '') or '(root)'}: {what} {size} (tensor_parallel_size "
-            f"{tp}) is not a multiple of {divisor}: {why}"
-        )
-
-
 def attach_int4pack(
     layer: nn.Module,
     codes: torch.Tensor,

@@ -46,6 +46,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import constexpr_function
 from triton.experimental.gluon import language as gl
 
+from quantfw.kernels.common import splitk
+
 FP16_MAGIC = 0x64006400  # fp16 1024.0 in both halves: (magic | q) = 1024 + q
 BF16_MAGIC = 0x43004300  # bf16 128.0
 
@@ -608,17 +610,10 @@ def epilogue(
 # ---------------------------------------------------------------------------------------------
 # host side
 
-_WORKSPACE: dict[int, tuple] = {}
-_RETIRED: list[tuple] = []  # outgrown workspaces that captured graphs may still use
-_NUM_SMS: dict[int, int] = {}
-
-
-def _num_sms(device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _NUM_SMS:
-        _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _NUM_SMS[idx]
-
+_num_sms = splitk.num_sms
+_workspace = splitk.workspace
+_WORKSPACE = splitk.WORKSPACE
+split_plan = splitk.split_plan
 
 _SM90: dict[int, bool] = {}
 
@@ -629,28 +624,6 @@ def is_sm90(device) -> bool:
     if idx not in _SM90:
         _SM90[idx] = torch.cuda.get_device_capability(idx) == (9, 0)
     return _SM90[idx]
-
-
-def _workspace(device, n_ws: int, n_cnt: int):
-    """Zeroed fp32 partial sums and int32 arrival counters, shared by all calls on a device.
-
-    Every split-K launch leaves them zeroed again (the last CTA of a tile resets its part), so
-    they are allocated once; calls on one device must be stream-ordered (as a model's are).
-    When a larger shape needs bigger buffers, the old ones are kept alive (`_RETIRED`): CUDA
-    graphs captured before keep using the buffers they were captured with, and freeing those
-    would let the allocator hand their memory to other tensors that the graphs then overwrite.
-    Every shape should still be run once before capture so that no buffer grows inside it."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    ws, cnt = _WORKSPACE.get(idx, (None, None))
-    if ws is None or ws.numel() < n_ws or cnt.numel() < n_cnt:
-        if ws is not None:
-            _RETIRED.append((ws, cnt))
-        n_ws = max(n_ws, 0 if ws is None else ws.numel())
-        n_cnt = max(n_cnt, 0 if cnt is None else cnt.numel())
-        ws = torch.zeros(n_ws, device=device, dtype=torch.float32)
-        cnt = torch.zeros(n_cnt, device=device, dtype=torch.int32)
-        _WORKSPACE[idx] = (ws, cnt)
-    return ws, cnt
 
 
 def plan(
@@ -684,21 +657,6 @@ def _plan(
     split = triton.cdiv(chunks, n_iter)
     n_iter = triton.cdiv(chunks, split)
     return split, n_iter
-
-
-@functools.lru_cache(maxsize=4096)
-def split_plan(
-    steps: int, tiles: int, sms: int, ctas_per_sm: int, even: bool = False
-) -> tuple[int, int]:
-    """(split, n_iter) for kernels whose CTAs each run a contiguous range of ``n_iter`` of the
-    ``steps`` chunks/stages: the most CTAs per output tile along K that fit in ``ctas_per_sm *
-    sms`` (any count, so a small grid fills the GPU); ``even``: n_iter rounded up to even when
-    above 1 (a kernel that runs stages in pairs; the extra one reads zeros past K)."""
-    split = max(1, min(steps, ctas_per_sm * sms // tiles))
-    n_iter = triton.cdiv(steps, split)
-    if even and n_iter > 1:
-        n_iter += n_iter % 2
-    return triton.cdiv(steps, n_iter), n_iter
 
 
 def as_int32_pairs(x2: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,25 @@
+"""Tuned kbit kernel configs per GPU model (`quantfw.kernels.common.tables` format).
+
+Files ``kbit-<device name>.json`` keyed by ``N=<out>,K=<in>,bits=<bits>``, searched in
+``QUANTFW_KBIT_CONFIG_DIR``, then in the package's ``kernels/kbit/tuned`` (none shipped yet).
+Shapes no file lists get ``configs.default_config``. Pure Python.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from quantfw.kernels.common.tables import ConfigTables
+from quantfw.kernels.kbit.configs import check_config, default_config
+
+ENV_DIR = "QUANTFW_KBIT_CONFIG_DIR"
+PACKAGE_DIR = Path(__file__).parent / "tuned"
+
+TABLES = ConfigTables("kbit", "kbit", ENV_DIR, PACKAGE_DIR, ("N", "K", "bits"), check_config)
+
+
+def untuned_config(device_name: str, M: int, N: int, K: int, bits: int) -> tuple:
+    """The config of a call that no ``tune()`` covered: the table entry for this GPU model,
+    shape and M bucket, else the heuristic ``default_config``."""
+    tabled = TABLES.find_config(device_name, M, N, K, bits)
+    return tabled if tabled is not None else default_config(M, N, K, bits)

@@ -1,0 +1,1 @@
+"""kbit GPU kernels (plain Triton), dispatch and tuning (imported only on CUDA)."""

@@ -1,0 +1,143 @@
+"""kbit on CUDA: launching the Triton kernels of ``kernels.py``, config choice, tuning.
+
+A call's config: the one ``tune()`` cached for its (M bucket, N, K, bits, dtype, device) in this
+process, else the tuned table of this GPU model (``kbit.tables``), else the heuristic
+``configs.default_config``; resolved once per key, then a dict lookup. Nothing here
+synchronizes with the host, so a call is CUDA-graph capturable once its config has been
+compiled and the split-K workspace sized (warm up every M bucket before capturing).
+
+The launch helpers take CPU tensors too: under ``TRITON_INTERPRET=1`` the kernels run in
+Triton's interpreter (``sms`` then stands in for the SM count).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from quantfw.kernels.common import splitk
+from quantfw.kernels.common.timing import fastest_config
+from quantfw.kernels.kbit import format as kfmt
+from quantfw.kernels.kbit.configs import candidate_configs, m_bucket
+from quantfw.kernels.kbit.layout import TILE_K, TILE_N, KbitWeight, check_flat, tiled_shape
+from quantfw.kernels.kbit.tables import untuned_config
+from quantfw.kernels.kbit.triton.kernels import (
+    kbit_dequant_kernel,
+    kbit_gemm_kernel,
+    kbit_repack_kernel,
+)
+
+_CONFIG_CACHE: dict[tuple, tuple] = {}
+
+
+def repack(
+    planes: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor, name: str = "kbit weight"
+) -> KbitWeight:
+    """`layout.repack` on the tensors' device with ``kbit_repack_kernel``."""
+    n, kb, bits, cb = check_flat(planes, absmax, codebook, name)
+    kt, nt = tiled_shape(n, kb * kfmt.BLOCKSIZE)
+    dev = planes.device
+    qweight = torch.empty(kt, nt, TILE_N, 2, bits, dtype=torch.int32, device=dev)
+    scales = torch.empty(kt, nt, TILE_N, 2, dtype=torch.uint8, device=dev)
+    kbit_repack_kernel[(kt, nt)](
+        planes.contiguous(), absmax.contiguous(), qweight, scales, n, kb, nt, BITS=bits
+    )
+    return KbitWeight(qweight, scales, cb, kb * kfmt.BLOCKSIZE, n)
+
+
+def dequantize(
+    weight: KbitWeight, dtype: torch.dtype, block_n: int = 128, block_k: int = 128, warps: int = 8
+) -> torch.Tensor:
+    """The dense ``[N, K]`` weight (``F.linear``'s layout) in `dtype`."""
+    N, K = weight.out_features, weight.in_features
+    kt, nt = weight.qweight.shape[:2]
+    w = torch.empty(N, K, dtype=dtype, device=weight.qweight.device)
+    grid = (triton.cdiv(N, block_n), triton.cdiv(kt * TILE_K, block_k))
+    kbit_dequant_kernel[grid](
+        weight.qweight, weight.scales, weight.codebook, w, N, K, kt, nt,
+        BITS=weight.bits, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+    )  # fmt: skip
+    return w
+
+
+def gemm(
+    x2: torch.Tensor,
+    weight: KbitWeight,
+    bias: torch.Tensor | None,
+    cfg: tuple,
+    sms: int | None = None,
+) -> torch.Tensor:
+    """``x2 [M, K] @ W.T (+ bias)`` with the config `cfg` (x2 contiguous, fp16 or bf16)."""
+    if cfg[0] == "deq":
+        _, block_n, block_k, warps = cfg
+        return F.linear(x2, dequantize(weight, x2.dtype, block_n, block_k, warps), bias)
+    if cfg[0] != "fused":
+        raise ValueError(f"kbit: unknown kernel config {cfg!r}; kinds: fused, deq")
+    _, bm, bn, bk, warps, stages, ctas_per_sm = cfg
+    M, K = x2.shape
+    N = weight.out_features
+    kt, nt = weight.qweight.shape[:2]
+    tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
+    sms = splitk.num_sms(x2.device) if sms is None else sms
+    split, iters = splitk.split_plan(triton.cdiv(kt, bk // TILE_K), tiles, sms, ctas_per_sm)
+    out = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
+    # one kernel for every split: the (shared, zeroed) workspace is passed even when unused
+    ws, cnt = splitk.workspace(x2.device, M * N if split > 1 else 1, tiles if split > 1 else 1)
+    grid = (triton.cdiv(N, bn), split, triton.cdiv(M, bm))
+    kbit_gemm_kernel[grid](
+        x2, weight.qweight, weight.scales, weight.codebook, out,
+        bias if bias is not None else out, ws, cnt,
+        M, N, K, kt, nt, x2.stride(0), out.stride(0), iters, split,
+        BITS=weight.bits, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        HAS_BIAS=bias is not None, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+def _key(x2: torch.Tensor, weight: KbitWeight) -> tuple:
+    return (
+        m_bucket(x2.shape[0]),
+        weight.out_features,
+        weight.in_features,
+        weight.bits,
+        x2.dtype,
+        x2.device.index,
+    )
+
+
+def kbit_matmul_cuda(
+    x2: torch.Tensor,
+    weight: KbitWeight,
+    bias: torch.Tensor | None = None,
+    config: tuple | None = None,
+) -> torch.Tensor:
+    """x2: [M, K] fp16/bf16 on CUDA."""
+    if x2.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"kbit_matmul: activations must be fp16 or bf16, got {x2.dtype}")
+    if config is None:
+        key = _key(x2, weight)
+        config = _CONFIG_CACHE.get(key)
+        if config is None:
+            name = torch.cuda.get_device_name(x2.device)
+            M, K = x2.shape
+            config = untuned_config(name, M, weight.out_features, K, weight.bits)
+            _CONFIG_CACHE[key] = config
+    if bias is not None:
+        bias = bias.contiguous()
+    return gemm(x2.contiguous(), weight, bias, config)
+
+
+def tune(x2, weight: KbitWeight, bias=None, rep_ms: float = 20.0, bench=None) -> tuple | None:
+    """Time candidate_configs for this (M bucket, shape, dtype) and cache the fastest (at
+    warm-up, never on the hot path). `bench(cfg)`, when given, returns the time of one call
+    with `cfg`: pass one that rotates weight copies past L2."""
+    best = fastest_config(
+        candidate_configs(x2.shape[0]),
+        lambda cfg: kbit_matmul_cuda(x2, weight, bias, config=cfg),
+        bench,
+        rep_ms,
+    )
+    if best is not None:
+        _CONFIG_CACHE[_key(x2, weight)] = best
+    return best

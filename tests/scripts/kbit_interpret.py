@@ -1,0 +1,93 @@
+"""Run with TRITON_INTERPRET=1 (Triton's CPU interpreter): the kbit Triton kernels on small
+random weights against the torch reference (repack and dequantize exactly, the fused GEMM to
+fp16 rounding, split-K workspace left clean). Exits non-zero with a message on a mismatch."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+
+import triton.runtime.interpreter as _interpreter  # noqa: E402
+
+from quantfw.kernels.common import splitk  # noqa: E402
+from quantfw.kernels.kbit import format as kfmt  # noqa: E402
+from quantfw.kernels.kbit import layout  # noqa: E402
+from quantfw.kernels.kbit.triton import dispatch  # noqa: E402
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    return float((got - want).norm() / want.norm())
+
+
+def check(cond: bool, what: str) -> None:
+    if not cond:
+        print(f"FAIL: {what}", flush=True)
+        sys.exit(1)
+
+
+def _scalar_index_for_numpy_2() -> None:
+    """Triton 3.6's interpreter holds a runtime scalar as a 1-element array and reads it with
+    ``int(array)``, which numpy >= 2.4 refuses (``range(runtime_int)`` in a kernel fails); make
+    the patched ``tl.tensor.__index__`` read the element instead."""
+    original = _interpreter._patch_lang_tensor
+
+    def patched(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    _interpreter._patch_lang_tensor = patched
+
+
+def main() -> None:
+    _scalar_index_for_numpy_2()
+    gen = torch.Generator().manual_seed(0)
+    cases = [(2, 200, 320), (3, 128, 256), (4, 136, 192), (5, 64, 448)]  # bits, N, K
+    for bits, N, K in cases:
+        w = torch.randn(N, K, generator=gen) * 0.05
+        planes, absmax = kfmt.quantize(w, bits)
+        cb = kfmt.normal_float_codebook(bits)
+        ref = layout.repack(planes, absmax, cb)
+        got = dispatch.repack(planes, absmax, cb)
+        check(torch.equal(got.qweight, ref.qweight), f"repack qweight bits={bits} N={N} K={K}")
+        check(torch.equal(got.scales, ref.scales), f"repack scales bits={bits} N={N} K={K}")
+        w_ref = layout.dequantize_weight(ref, torch.float32)
+        for bn, bk in ((128, 64), (32, 256)):
+            d = dispatch.dequantize(ref, torch.float32, bn, bk, 4)
+            check(torch.equal(d, w_ref), f"dequantize bits={bits} block {bn}x{bk}")
+        d16 = dispatch.dequantize(ref, torch.float16, 64, 64, 4)
+        check(torch.equal(d16, w_ref.half()), f"dequantize fp16 bits={bits}")
+        # (config, SMs, M): split-K 1 and > 1, 16- and 32-token tiles, 32..128 columns, deq
+        runs = [
+            (("fused", 16, 64, 64, 4, 1, 1), 1, 1),
+            (("fused", 16, 32, 128, 4, 2, 64), 16, 19),
+            (("fused", 32, 128, 64, 4, 2, 64), 16, 19),
+            (("deq", 64, 128, 4), 1, 19),
+        ]
+        for cfg, sms, M in runs:
+            x = torch.randn(M, K, generator=gen).half()
+            bias = torch.randn(N, generator=gen).half()
+            want = x.double() @ w_ref.double().t() + bias.double()
+            if cfg[0] == "fused":
+                tiles = -(-N // cfg[2]) * -(-M // cfg[1])
+                steps = -(-ref.qweight.shape[0] // (cfg[3] // 64))
+                split, _ = splitk.split_plan(steps, tiles, sms, cfg[6])
+                check((split > 1) == (sms > 1), f"{cfg} sms={sms}: split {split}")
+            out = dispatch.gemm(x, ref, bias, cfg, sms=sms)
+            err = rel_err(out, want)
+            check(out.shape == (M, N) and out.dtype == torch.float16, f"{cfg} shape/dtype")
+            check(err < 2e-3, f"gemm bits={bits} N={N} K={K} M={M} {cfg} sms={sms}: {err:.2e}")
+            ws, cnt = splitk.WORKSPACE.get("cpu", (torch.zeros(1), torch.zeros(1)))
+            check(not ws.any() and not cnt.any(), f"workspace left dirty by {cfg} sms={sms}")
+        out = dispatch.gemm(x, ref, None, ("fused", 16, 64, 128, 4, 2, 8), sms=4)
+        check(rel_err(out, x.double() @ w_ref.double().t()) < 2e-3, "gemm without bias")
+        print(f"bits={bits} N={N} K={K}: ok", flush=True)
+    print("ALL OK")
+
+
+if __name__ == "__main__":
+    main()

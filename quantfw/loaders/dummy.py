@@ -51,16 +51,19 @@ def full_model(model: nn.Module, model_config: ModelConfig) -> nn.Module:
         return initialize_model(model_config, "meta")
 
 
-def checkpoint_shapes(full: nn.Module) -> dict[str, torch.Size]:
-    """The shape of the tensor a checkpoint would hold for each parameter of the TP=1 `full`
-    model: the parameter's shape, except that vocabulary rows are not padded."""
+def checkpoint_shapes(full: nn.Module) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """(shape, dtype) of the tensor a checkpoint would hold for each parameter of the TP=1 `full`
+    model: the parameter's own, except that vocabulary rows are not padded and a parameter that
+    quantizes what it loads declares its dense source as ``checkpoint_spec = (shape, dtype)``."""
     shapes = {}
     for module_name, module in full.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
-            shape = list(param.shape)
+            shape, dtype = getattr(param, "checkpoint_spec", (param.shape, param.dtype))
+            shape = list(shape)
             if isinstance(module, VocabParallelEmbedding):
                 shape[0] = module.num_embeddings
-            shapes[f"{module_name}.{param_name}" if module_name else param_name] = torch.Size(shape)
+            key = f"{module_name}.{param_name}" if module_name else param_name
+            shapes[key] = (torch.Size(shape), dtype)
     return shapes
 
 
@@ -79,7 +82,8 @@ def load_dummy_weights(model: nn.Module, model_config: ModelConfig) -> None:
                 f"dummy loader: parameter {name!r} of {type(model).__name__} has no counterpart "
                 "in the model built at tensor_parallel_size 1"
             )
-        full = torch.empty(shapes[name], dtype=param.dtype, device=param.device)
+        shape, dtype = shapes[name]
+        full = torch.empty(shape, dtype=dtype, device=param.device)
         init = getattr(param, "dummy_init", None) or fill_random
         init(full, dummy_generator(name, param.device))
         getattr(param, "weight_loader", default_weight_loader)(param, full)

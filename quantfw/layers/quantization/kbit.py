@@ -156,12 +156,15 @@ class KbitLinearMethod(LinearMethodBase):
 
         def dummy_planes(param: torch.Tensor, generator: torch.Generator) -> None:
             words = torch.randint(
-                -(2**31), 2**31 - 1, param.shape, generator=generator, dtype=torch.int32
-            )
+                -(2**31), 2**31 - 1, param.shape, generator=generator, dtype=torch.int32,
+                device=param.device,
+            )  # fmt: skip
             param.data.copy_(words)
 
         def dummy_absmax(param: torch.Tensor, generator: torch.Generator) -> None:
-            codes = torch.randint(*_DUMMY_ABSMAX_CODES, param.shape, generator=generator)
+            codes = torch.randint(
+                *_DUMMY_ABSMAX_CODES, param.shape, generator=generator, device=param.device
+            )
             param.data.copy_(codes.to(torch.uint8))
 
         def dummy_codebook(param: torch.Tensor, generator: torch.Generator) -> None:
@@ -208,17 +211,14 @@ class KbitLinearMethod(LinearMethodBase):
             loader(param, q_planes, *shard_id)
             loader(layer.kbit_absmax, q_absmax, *shard_id)
 
-        def dummy_weight(param: torch.Tensor, generator: torch.Generator) -> None:
-            dummy_planes(param, generator)
-            dummy_absmax(layer.kbit_absmax, generator)
-
         set_weight_attrs(
             weight,
             {
                 **blocked,
                 **extra,
                 "weight_loader": quantizing_loader,
-                "dummy_init": dummy_weight,
+                # the dummy loader draws the dense TP=1 weight and loads it like a checkpoint's
+                "checkpoint_spec": ((output_size, input_size), params_dtype),
             },
         )
         layer.register_parameter("weight", weight)

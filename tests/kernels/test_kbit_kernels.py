@@ -73,9 +73,11 @@ def test_configs_and_their_checks():
     for M in (1, 16, 17, 64, 65, 511, 512, 4096):
         for cfg in [*C.candidate_configs(M), C.default_config(M, 4096, 4096, 4)]:
             assert C.check_config(cfg) == cfg
-    assert [C.default_config(M, 64, 64, 4)[0] for M in (1, 16, 64, 127, 128, 4096)] == (
-        ["fused"] * 4 + ["deq"] * 2
+    # the fused kernel only where it was right on the GPU (C.FUSED_MAX_M)
+    assert [C.default_config(M, 64, 64, 4)[0] for M in (1, 2, 16, 64, 128, 4096)] == (
+        ["fused"] + ["deq"] * 5
     )
+    assert all(cfg[0] == "deq" for cfg in C.candidate_configs(2))
     with pytest.raises(ValueError, match=r"here: unknown kernel kind 'mma'; kinds: fused, deq"):
         C.check_config(("mma", 1), "here")
     with pytest.raises(ValueError, match="block_n=256 must be 16, 32, 64 or 128"):

@@ -24,11 +24,6 @@ CONFIG_FIELDS: dict[str, tuple[tuple[str, type], ...]] = {
     "deq": (("block_n", int), ("block_k", int), ("warps", int)),
 }  # fmt: skip
 
-#: from this many tokens the default is dequantize + cuBLAS: the fused kernel dequantizes the
-#: weight once per token tile, at an estimated ~20 SASS instructions per weight (sm_90, K = 4),
-#: which from two or so 128-token tiles costs more than one dequantization plus cuBLAS
-DEQ_MIN_M = 128
-
 
 def _pow2(v: int) -> bool:
     return v > 0 and v & (v - 1) == 0
@@ -47,19 +42,24 @@ def check_config(cfg: tuple, where: str = "kbit config") -> tuple:
     return cfg
 
 
+#: The fused kernel is wrong on sm_90 for more than one token (H200, 2026-11-23: relative error
+#: 0.05-0.57 at M = 7..300, right at M = 1 and under Triton's interpreter; see
+#: benchmarks/results/kbit-gpu-tests-NVIDIA_H200-2026-11-23.log). Until it is fixed, only M = 1
+#: runs it; every other M dequantizes and calls cuBLAS.
+FUSED_MAX_M = 1
+
+
 def default_config(M: int, N: int, K: int, bits: int) -> tuple:
-    if M <= 16:
+    if M <= FUSED_MAX_M:
         return ("fused", 16, 64, 128, 4, 2, 4)
-    if M <= 64:
-        return ("fused", 64, 64, 64, 4, 2, 2)
-    if M < DEQ_MIN_M:
-        return ("fused", 128, 128, 64, 8, 2, 1)
     return ("deq", 128, 128, 8)
 
 
 def candidate_configs(M: int) -> list[tuple]:
-    """The small set tried by tune() for one M bucket."""
+    """The small set tried by tune() for one M bucket (fused only where it is correct)."""
     deq = [("deq", 128, 128, 8), ("deq", 64, 256, 4)]
+    if M > FUSED_MAX_M:
+        return deq
     if M <= 16:
         return [
             ("fused", 16, 64, 128, 4, 2, 4),

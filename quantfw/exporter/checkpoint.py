@@ -39,6 +39,7 @@ class MethodExporter(Protocol):
 EXPORT_METHODS: dict[str, str] = {
     "awq": "quantfw.exporter.int4:build",
     "gptq": "quantfw.exporter.int4:build",
+    "mxfp4": "quantfw.exporter.mxfp4:build",
 }
 
 

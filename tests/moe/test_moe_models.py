@@ -100,3 +100,30 @@ def test_engine_greedy_matches_transformers(name, moe_checkpoints):
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     outs = llm.generate(PROMPTS, params)
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 3e-2)])
+def test_gpu_matches_transformers(dtype, tol, moe_checkpoints, rel_err):
+    """The Triton grouped GEMMs (MXFP4 experts and dense layers) inside the model on CUDA."""
+    folder = moe_checkpoints["gpt_oss_mxfp4"]
+    reference = tiny_moe.rounded_reference(moe_checkpoints["gpt_oss"], folder)
+    model = quantfw.load_model(folder, device="cuda", dtype=dtype)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, tiny_moe.VOCAB, (2, SEQ), generator=g)
+    with torch.no_grad():
+        got = model(ids.cuda()).float().cpu()
+        expected = reference(ids).logits
+    assert rel_err(got, expected) <= tol
+
+
+@pytest.mark.gpu
+def test_gpu_engine_with_cuda_graphs_matches_transformers(moe_checkpoints):
+    from quantfw.engine import LLM, SamplingParams
+
+    folder = moe_checkpoints["gpt_oss_experts"]
+    reference = tiny_moe.rounded_reference(moe_checkpoints["gpt_oss"], folder)
+    llm = LLM(folder, device="cuda", dtype="float32", block_size=4, cuda_graphs=True)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in outs] == tiny_moe.hf_greedy(reference, PROMPTS, MAX_NEW)

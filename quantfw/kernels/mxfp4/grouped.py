@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quantfw.kernels.moe.sort import combine, sort_by_expert
+from quantfw.kernels.moe.sort import block_schedule, combine, single_group, sort_by_expert
 
 
 @dataclass
@@ -55,9 +55,9 @@ def _triton_available() -> bool:
 
 
 def gpu_available(x: torch.Tensor) -> bool:
-    """Whether the Triton grouped GEMMs serve activations `x`: a CUDA tensor in fp16/bf16 on
-    compute capability >= 8.0 with Triton installed."""
-    if not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16):
+    """Whether the Triton grouped GEMMs serve activations `x`: a CUDA tensor (fp16/bf16; fp32
+    runs full-precision dots, for checks) on compute capability >= 8.0 with Triton installed."""
+    if not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return False
     return torch.cuda.get_device_capability(x.device) >= (8, 0) and _triton_available()
 
@@ -76,13 +76,13 @@ def moe_forward(
 ) -> torch.Tensor:
     """``sum_j w[t, j] * (act(x[t] @ W13[e].T + b13[e]) @ W2[e].T + b2[e])`` for x [T, H] and
     the experts ``e = topk_ids[t, j]``; `config` overrides the kernel configuration (tuning)."""
-    from quantfw.kernels.mxfp4.triton import grouped_gemm, schedule
+    from quantfw.kernels.mxfp4.triton import grouped_gemm
 
     num_experts = w13.shape[0]
     sort = sort_by_expert(topk_ids, num_experts)
     rows = sort.token_index.numel()
     cfg = config or grouped_gemm.default_config(rows, num_experts, w13.shape[1], w13.shape[2])
-    plan = schedule.block_schedule(sort.m_indptr, rows, cfg["BLOCK_M"])
+    plan = block_schedule(sort.m_indptr, rows, cfg["BLOCK_M"])
     h = grouped_gemm.grouped_gemm(x, w13, plan, bias=w13_bias, gather=sort.token_index, config=cfg)
     y = grouped_gemm.grouped_gemm(activation(h), w2, plan, bias=w2_bias, config=cfg)
     return combine(y, sort, topk_weights)
@@ -90,12 +90,12 @@ def moe_forward(
 
 def linear(x: torch.Tensor, w: Mxfp4Weights, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] @ W.T (+ bias) for one MXFP4 matrix W [N, K]."""
-    from quantfw.kernels.mxfp4.triton import grouped_gemm, schedule
+    from quantfw.kernels.mxfp4.triton import grouped_gemm
 
     x2 = x.reshape(-1, x.shape[-1])
     _, n, k = w.shape
     weights = Mxfp4Weights(w.blocks.unsqueeze(0), w.scales.unsqueeze(0))
     cfg = grouped_gemm.default_config(x2.shape[0], 1, n, k)
-    plan = schedule.single_group(x2.shape[0], cfg["BLOCK_M"], x.device)
+    plan = single_group(x2.shape[0], cfg["BLOCK_M"], x.device)
     b = None if bias is None else bias.unsqueeze(0)
     return grouped_gemm.grouped_gemm(x2, weights, plan, bias=b, config=cfg).view(*x.shape[:-1], n)

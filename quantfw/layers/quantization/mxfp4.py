@@ -10,9 +10,12 @@ docs/formats.md).
   (quantfw's own naming, written by ``quantfw quantize --method mxfp4``; GPT-OSS keeps its dense
   layers in bf16 and lists them in ``modules_to_not_convert``).
 
-Runtime: on CUDA GPUs (compute capability >= 8.0, fp16/bf16, Triton installed) the grouped
-MXFP4 GEMM of `quantfw.kernels.mxfp4.grouped` (a dense layer is a group of one); elsewhere one
-expert (or layer) at a time is dequantized for a plain matmul and freed after it.
+Runtime: on Blackwell with FlashInfer installed, experts go through FlashInfer's MXFP8 x MXFP4
+grouped GEMM (`quantfw.kernels.mxfp4.flashinfer`; scales swizzled once after loading; not
+run on hardware by this project yet); on other CUDA GPUs (compute capability >= 8.0, Triton
+installed) our Triton grouped MXFP4 GEMM (`quantfw.kernels.mxfp4.grouped`; a dense layer is a
+group of one); elsewhere one expert (or layer) at a time is dequantized for a plain matmul and
+freed after it.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from quantfw.layers.quantization.base import (
     QuantizationConfig,
     QuantizeMethodBase,
     UnquantizedLinearMethod,
+    replace_with_buffers,
 )
 from quantfw.layers.sharding import set_weight_attrs
 
@@ -184,6 +188,30 @@ class Mxfp4MoEMethod(FusedMoEMethodBase):
         if layer.has_bias:
             create_expert_biases(layer, e, h, i, params_dtype, **extra)
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """On Blackwell with FlashInfer: pad the experts and swizzle their scales once for
+        FlashInfer's grouped GEMM (buffers ``w13_fi_*``/``w2_fi_*``) and drop the checkpoint
+        tensors. Elsewhere the checkpoint layout is what the kernels read."""
+        from quantfw.kernels.mxfp4 import flashinfer
+
+        if layer.params_dtype not in (torch.float16, torch.bfloat16):
+            return
+        if not flashinfer.available(layer.w13_blocks.device):
+            return
+        w13 = flashinfer.FlashInferWeights.prepare(layer.w13_blocks.data, layer.w13_scales.data)
+        w2 = flashinfer.FlashInferWeights.prepare(layer.w2_blocks.data, layer.w2_scales.data)
+        replace_with_buffers(
+            layer,
+            ("w13_blocks", "w13_scales", "w2_blocks", "w2_scales"),
+            {
+                "w13_fi_b": w13.b,
+                "w13_fi_scale": w13.b_scale,
+                "w2_fi_b": w2.b,
+                "w2_fi_scale": w2.b_scale,
+            },
+        )
+        layer.flashinfer_sizes = ((w13.n, w13.k), (w2.n, w2.k))
+
     def apply(  # type: ignore[override]
         self,
         layer: nn.Module,
@@ -192,6 +220,16 @@ class Mxfp4MoEMethod(FusedMoEMethodBase):
         topk_ids: torch.Tensor,
     ) -> torch.Tensor:
         w13_bias, w2_bias = layer.expert_biases()
+        if getattr(layer, "w13_fi_b", None) is not None:
+            from quantfw.kernels.mxfp4 import flashinfer
+
+            (n13, k13), (n2, k2) = layer.flashinfer_sizes
+            return flashinfer.moe_forward(
+                x, topk_weights, topk_ids,
+                w13=flashinfer.FlashInferWeights(layer.w13_fi_b, layer.w13_fi_scale, n13, k13),
+                w2=flashinfer.FlashInferWeights(layer.w2_fi_b, layer.w2_fi_scale, n2, k2),
+                w13_bias=w13_bias, w2_bias=w2_bias, activation=layer.activation,
+            )  # fmt: skip
         if grouped.gpu_available(x):
             return grouped.moe_forward(
                 x, topk_weights, topk_ids,

@@ -88,7 +88,6 @@ def _grouped_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if MXFP4:
         HALF: tl.constexpr = BLOCK_K // 2
-        GROUPS: tl.constexpr = BLOCK_K // 32
         j = tl.arange(0, HALF)
         w_rows = w_ptr + e * stride_we + offs_n[:, None] * stride_wn
         s_rows = s_ptr + e * stride_se + offs_n[:, None] * stride_sn
@@ -104,13 +103,16 @@ def _grouped_gemm_kernel(
             packed = tl.load(
                 w_rows + (k0 // 2 + j)[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0
             ).to(tl.int32)
-            g = k0 // 32 + tl.arange(0, GROUPS)
-            s = tl.load(s_rows + g[None, :], mask=n_mask[:, None] & (g < K // 32)[None, :], other=0)
-            factor = _ue8m0_half(s.to(tl.int32))[:, :, None]  # [BN, GROUPS, 1]
-            w_even = tl.reshape(_e2m1_times_two(packed & 15), (BLOCK_N, GROUPS, 16)) * factor
-            w_odd = tl.reshape(_e2m1_times_two(packed >> 4), (BLOCK_N, GROUPS, 16)) * factor
-            w_even = tl.reshape(w_even, (BLOCK_N, HALF)).to(a_even.dtype)
-            w_odd = tl.reshape(w_odd, (BLOCK_N, HALF)).to(a_even.dtype)
+            # byte j of the tile belongs to scale group j // 16: each scale byte is loaded by
+            # the 16 lanes that need it (an L1 hit) instead of reshaping the tile
+            s = tl.load(
+                s_rows + (k0 // 32 + j // 16)[None, :],
+                mask=n_mask[:, None] & k_mask[None, :],
+                other=0,
+            )
+            factor = _ue8m0_half(s.to(tl.int32))
+            w_even = (_e2m1_times_two(packed & 15) * factor).to(a_even.dtype)
+            w_odd = (_e2m1_times_two(packed >> 4) * factor).to(a_even.dtype)
             if IEEE:
                 acc = tl.dot(a_even, tl.trans(w_even), acc, input_precision="ieee")
                 acc = tl.dot(a_odd, tl.trans(w_odd), acc, input_precision="ieee")

@@ -15,11 +15,12 @@ from quantfw.kernels import moe, mxfp4
 from quantfw.kernels.fused import reference as fused_ref
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "mxfp4_interpret_check.py")
+SUPPORT = os.path.join(os.path.dirname(__file__), "..", "support")
 
 
 def test_kernels_under_the_interpreter():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": SUPPORT, "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(
         [sys.executable, SCRIPT], capture_output=True, text=True, timeout=600, env=env
     )

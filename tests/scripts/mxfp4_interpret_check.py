@@ -10,24 +10,12 @@ import sys
 import torch
 import triton
 import triton.language as tl
+from script_checks import FAILED, check, rel
 
 from quantfw.kernels import moe, mxfp4
 from quantfw.kernels.fused import reference as fused_ref
 from quantfw.kernels.mxfp4 import grouped
 from quantfw.kernels.mxfp4.triton import grouped_gemm as gg
-
-FAILED = []
-
-
-def check(name: str, err: float, tol: float) -> None:
-    ok = err <= tol
-    print(f"{'ok  ' if ok else 'FAIL'} {name}: {err:.2e} (<= {tol:g})")
-    if not ok:
-        FAILED.append(name)
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
 @triton.jit

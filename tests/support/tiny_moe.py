@@ -8,6 +8,7 @@ import os
 import re
 
 import torch
+from tiny_checkpoint import hf_greedy  # noqa: F401 (re-exported for the MoE tests)
 
 VOCAB = 300
 #: GPT-OSS: 3 layers (sliding, full, sliding) with an 8-token window; I = 96 = 3 scale blocks,
@@ -124,22 +125,3 @@ def _param_view(params: dict, name: str) -> torch.Tensor:
     fused = params[f"{head}.gate_up_proj"][e]
     half = fused.shape[0] // 2
     return fused[:half] if proj == "gate" else fused[half:]
-
-
-def hf_greedy(
-    model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int
-) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt, one prompt at a time."""
-    outs = []
-    with torch.no_grad():
-        for ids in prompts:
-            x = torch.tensor([ids])
-            y = model.generate(
-                x,
-                attention_mask=torch.ones_like(x),
-                do_sample=False,
-                max_new_tokens=max_new_tokens,
-                pad_token_id=0,
-            )
-            outs.append(y[0, len(ids) :].tolist())
-    return outs

@@ -107,7 +107,34 @@ def pipeline() -> None:
         check(f"swiglu_oai limit={limit}", rel(triton_ops.swiglu_oai(y, 1.702, limit), ref), 1e-6)
 
 
+def align() -> None:
+    from quantfw.kernels.mxfp4.triton import sort as fused
+
+    g = torch.Generator().manual_seed(2)
+    for t, top, e, bm in ((1, 4, 32, 16), (9, 2, 6, 16), (40, 4, 32, 16), (33, 2, 8, 4)):
+        ids = torch.stack([torch.randperm(e, generator=g)[:top] for _ in range(t)])
+        ids[0, 0] = e - 1
+        sort, plan = fused.align(ids, e, bm)
+        ref = moe.sort_by_expert(ids, e)
+        ref_plan = moe.block_schedule(ref.m_indptr, t * top, bm)
+        same = all(
+            torch.equal(getattr(sort, f), getattr(ref, f))
+            for f in ("token_index", "expert_of_row", "inverse", "m_indptr")
+        ) and torch.equal(plan.block_expert, ref_plan.block_expert)
+        real = ref_plan.block_expert < e
+        same = same and torch.equal(plan.block_row[real], ref_plan.block_row[real])
+        check(f"align t={t} k={top} E={e} block_m={bm}", 0.0 if same else 1.0, 0.0)
+        rows = torch.randn(t * top, 48, generator=g)
+        w = torch.rand(t, top, generator=g)
+        check(
+            f"combine t={t} k={top}",
+            rel(fused.combine(rows, sort, w), moe.combine(rows, ref, w)),
+            1e-6,
+        )
+
+
 if __name__ == "__main__":
+    align()
     decode()
     grouped_gemm()
     pipeline()

@@ -77,15 +77,20 @@ def moe_forward(
     """``sum_j w[t, j] * (act(x[t] @ W13[e].T + b13[e]) @ W2[e].T + b2[e])`` for x [T, H] and
     the experts ``e = topk_ids[t, j]``; `config` overrides the kernel configuration (tuning)."""
     from quantfw.kernels.mxfp4.triton import grouped_gemm
+    from quantfw.kernels.mxfp4.triton import sort as fused
 
     num_experts = w13.shape[0]
-    sort = sort_by_expert(topk_ids, num_experts)
-    rows = sort.token_index.numel()
+    rows = topk_ids.numel()
     cfg = config or grouped_gemm.default_config(rows, num_experts, w13.shape[1], w13.shape[2])
-    plan = block_schedule(sort.m_indptr, rows, cfg["BLOCK_M"])
+    small = fused.align_fits(rows, num_experts)  # decode: one launch each for sort and combine
+    if small:
+        sort, plan = fused.align(topk_ids, num_experts, cfg["BLOCK_M"])
+    else:
+        sort = sort_by_expert(topk_ids, num_experts)
+        plan = block_schedule(sort.m_indptr, rows, cfg["BLOCK_M"])
     h = grouped_gemm.grouped_gemm(x, w13, plan, bias=w13_bias, gather=sort.token_index, config=cfg)
     y = grouped_gemm.grouped_gemm(activation(h), w2, plan, bias=w2_bias, config=cfg)
-    return combine(y, sort, topk_weights)
+    return fused.combine(y, sort, topk_weights) if small else combine(y, sort, topk_weights)
 
 
 def linear(x: torch.Tensor, w: Mxfp4Weights, bias: torch.Tensor | None) -> torch.Tensor:

@@ -7,7 +7,7 @@ MoE layer (sort, W13 GEMM + bias, SwiGLU, W2 GEMM + bias, combine) is checked ag
 dequantize-per-expert reference, then timed as CUDA-graph replays over weight copies rotated so
 L2 holds none (``kernels.common.timing``). Methods: our Triton grouped GEMM with MXFP4 experts,
 the same kernel with bf16 experts (the grouped baseline) and, with ``--sweep``, the best of a
-grid of MXFP4 kernel configs. The floor is the time to read the experts actually routed to
+grid of kernel configs for each (a few minutes per token count). The floor is the time to read the experts actually routed to
 (MXFP4 blocks, scales and biases of each distinct expert, once) at the device's measured copy
 bandwidth. Targets (issue 19): decode (<= 16 tokens) within 1.5x the floor, prefill no slower
 than bf16.
@@ -43,9 +43,9 @@ from quantfw.kernels.mxfp4.triton import grouped_gemm
 E, TOP_K, H, INTER = 32, 4, 2880, 2880
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 SWEEP = [
-    dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s)
-    for bm, bn, bk, w, s in itertools.product(
-        (16, 32, 64, 128), (32, 64, 128), (64, 128, 256), (4, 8), (3, 4)
+    dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s, SWAP=swap)
+    for bm, bn, bk, w, s, swap in itertools.product(
+        (16, 32, 64, 128), (32, 64, 128), (64, 128, 256), (4, 8), (3, 4), (True, False)
     )
     if bm * bk <= 16384 and bn * bk <= 32768
 ]
@@ -127,23 +127,35 @@ def bench_tokens(t: int, dtype, copies, dense, bw: float, sweep: bool) -> dict:
         "bf16_rel_err": err(bf_calls[0]),
     }
     if sweep:
-        best = None
-        for cfg in SWEEP:
-            calls = [_layer(x, weights, ids, *c[0], c[1], c[2], config=cfg) for c in copies]
-            try:
-                if err(calls[0]) > 3e-2:
-                    print(f"  wrong result with {cfg}", flush=True)
-                    continue
-                (us,) = graph_times([calls], est, rounds=3)
-            except Exception as exc:  # a config this GPU cannot run (shared memory)
-                print(f"  skip {cfg}: {type(exc).__name__}", flush=True)
-                continue
-            if best is None or us < best[0]:
-                best = (us, cfg)
-        if best is not None:
-            row["sweep_best_us"], row["sweep_best_config"] = round(best[0], 2), best[1]
-            row["sweep_best_over_floor"] = round(best[0] / floor_us, 3)
+        for name, sets in (("mxfp4", [(*c[0], c[1], c[2]) for c in copies]), ("bf16", dense)):
+            best = _best_config(
+                lambda cfg, sets=sets: [_layer(x, weights, ids, *w, config=cfg) for w in sets],
+                err,
+                est,
+            )
+            if best is not None:
+                row[f"{name}_sweep_best_us"], row[f"{name}_sweep_best_config"] = best
+        if "mxfp4_sweep_best_us" in row:
+            row["mxfp4_sweep_best_over_floor"] = round(row["mxfp4_sweep_best_us"] / floor_us, 3)
     return row
+
+
+def _best_config(calls_for, err, est: float):
+    """(time, config) of the fastest correct config of SWEEP, or None."""
+    best = None
+    for cfg in SWEEP:
+        calls = calls_for(cfg)
+        try:
+            if err(calls[0]) > 3e-2:
+                print(f"  wrong result with {cfg}", flush=True)
+                continue
+            (us,) = graph_times([calls], est, rounds=3)
+        except Exception as exc:  # a config this GPU cannot run (shared memory)
+            print(f"  skip {cfg}: {type(exc).__name__}", flush=True)
+            continue
+        if best is None or us < best[0]:
+            best = (round(us, 2), cfg)
+    return best
 
 
 def layer_bench(args) -> dict:

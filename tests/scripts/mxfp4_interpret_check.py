@@ -58,7 +58,7 @@ def grouped_gemm() -> None:
     for quantized in (True, False):
         for cfg in (
             dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1),
-            dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=1),
+            dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=1, SWAP=True),
         ):
             w, dense = experts(e, n, k, g, quantized)
             x = torch.randn(t, k, generator=g)
@@ -73,6 +73,7 @@ def grouped_gemm() -> None:
                  for tok, ex in zip(sort.token_index.tolist(), sort.expert_of_row.tolist())]
             )  # fmt: skip
             tag = f"{'mxfp4' if quantized else 'dense'} BN={cfg['BLOCK_N']} BK={cfg['BLOCK_K']}"
+            tag += " swap" if cfg.get("SWAP") else ""
             check(f"grouped_gemm {tag}", rel(out, ref), 1e-5)
 
 
@@ -85,7 +86,7 @@ def pipeline() -> None:
     x = torch.randn(t, h, generator=g)
     weights, ids = moe.select_experts(torch.randn(t, e, generator=g), top, "topk_softmax")
     act = lambda y: fused_ref.swiglu_oai(y, 1.702, 7.0)  # noqa: E731
-    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1)
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1, SWAP=True)
     out = grouped.moe_forward(
         x, weights, ids, w13=w13, w2=w2, w13_bias=b13, w2_bias=b2, activation=act, config=cfg
     )

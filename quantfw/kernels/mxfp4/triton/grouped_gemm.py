@@ -11,9 +11,12 @@ interleave. A code c becomes float32 bits ``sign << 31 | (c & 7) << 22`` (the E2
 2**-126) times 2**127, i.e. twice its value exactly; the UE8M0 byte s becomes the float32 2**(s -
 128) (a subnormal for s <= 1); their product rounds once, as `mxfp4.format.dequantize` does.
 
-Configs: a decode shape (few rows per expert: BLOCK_M 16, narrow N tiles so enough programs
-stream weights) and prefill shapes (BLOCK_M 64/128); `default_config` picks by rows per expert,
-and `benchmarks/bench_mxfp4.py` can sweep others.
+With ``SWAP`` the kernel computes the transposed tile ``W @ A.T``: the decoded weight tile is
+the MMA's first operand, which Hopper's wgmma reads from registers (no shared-memory round trip
+for the dequantized weights) and which fills wgmma's M >= 64 with BLOCK_N when only a few rows
+are routed to an expert. Configs: a decode shape (few rows per expert: BLOCK_M 16) and prefill
+shapes (BLOCK_M 64/128); `default_config` picks by rows per expert, and
+`benchmarks/bench_mxfp4.py --sweep` times others.
 """
 
 from __future__ import annotations
@@ -37,6 +40,22 @@ def _ue8m0_half(s):
     """UE8M0 bytes (int32) -> float32 2**(s - 128): exponent field s - 1, or a subnormal."""
     bits = tl.where(s >= 2, (s - 1) << 23, 1 << (21 + s))
     return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mma(acc, a, w, SWAP: tl.constexpr, IEEE: tl.constexpr):
+    """acc + a @ w.T ([BLOCK_M, BLOCK_N]), or with SWAP acc + w @ a.T ([BLOCK_N, BLOCK_M]): the
+    weight tile, decoded in registers, is then the MMA's first operand (Hopper's wgmma reads it
+    from registers and needs M >= 64, which BLOCK_N gives when few rows are routed)."""
+    if SWAP:
+        lhs, rhs = w, tl.trans(a)
+    else:
+        lhs, rhs = a, tl.trans(w)
+    if IEEE:
+        acc = tl.dot(lhs, rhs, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(lhs, rhs, acc)
+    return acc
 
 
 @triton.jit
@@ -64,6 +83,7 @@ def _grouped_gemm_kernel(
     GATHER: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     IEEE: tl.constexpr,
+    SWAP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -85,7 +105,10 @@ def _grouped_gemm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     a_rows = a_ptr + src[:, None] * stride_am
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if MXFP4:
         HALF: tl.constexpr = BLOCK_K // 2
         j = tl.arange(0, HALF)
@@ -113,12 +136,8 @@ def _grouped_gemm_kernel(
             factor = _ue8m0_half(s.to(tl.int32))
             w_even = (_e2m1_times_two(packed & 15) * factor).to(a_even.dtype)
             w_odd = (_e2m1_times_two(packed >> 4) * factor).to(a_even.dtype)
-            if IEEE:
-                acc = tl.dot(a_even, tl.trans(w_even), acc, input_precision="ieee")
-                acc = tl.dot(a_odd, tl.trans(w_odd), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a_even, tl.trans(w_even), acc)
-                acc = tl.dot(a_odd, tl.trans(w_odd), acc)
+            acc = _mma(acc, a_even, w_even, SWAP, IEEE)
+            acc = _mma(acc, a_odd, w_odd, SWAP, IEEE)
     else:
         offs_k = tl.arange(0, BLOCK_K)
         w_rows = w_ptr + e * stride_we + offs_n[:, None] * stride_wn
@@ -127,10 +146,9 @@ def _grouped_gemm_kernel(
             k_mask = k < K
             a = tl.load(a_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            if IEEE:
-                acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, tl.trans(w), acc)
+            acc = _mma(acc, a, w, SWAP, IEEE)
+    if SWAP:
+        acc = tl.trans(acc)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + e * stride_be + offs_n, mask=n_mask, other=0.0)
         acc += bias.to(tl.float32)[None, :]
@@ -139,13 +157,36 @@ def _grouped_gemm_kernel(
 
 
 def default_config(rows: int, num_experts: int, n: int, k: int) -> dict:
-    """A kernel configuration for `rows` sorted rows over `num_experts` experts of [n, k]."""
+    """A kernel configuration for `rows` sorted rows over `num_experts` experts of [n, k]
+    (untuned: picked by rows per expert among configs that compile for sm_90 without register
+    spills; `benchmarks/bench_mxfp4.py --sweep` times others)."""
     per_expert = rows / max(1, min(rows, num_experts))
     if per_expert <= 16:
-        return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4}
+        return {
+            "BLOCK_M": 16,
+            "BLOCK_N": 64,
+            "BLOCK_K": 128,
+            "num_warps": 4,
+            "num_stages": 3,
+            "SWAP": True,
+        }
     if per_expert <= 64:
-        return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}
-    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+        return {
+            "BLOCK_M": 64,
+            "BLOCK_N": 128,
+            "BLOCK_K": 128,
+            "num_warps": 8,
+            "num_stages": 3,
+            "SWAP": True,
+        }
+    return {
+        "BLOCK_M": 128,
+        "BLOCK_N": 128,
+        "BLOCK_K": 64,
+        "num_warps": 8,
+        "num_stages": 3,
+        "SWAP": True,
+    }
 
 
 def grouped_gemm(
@@ -160,7 +201,7 @@ def grouped_gemm(
     """out [plan.num_rows, N] in a's dtype: row r of expert e is ``a[gather[r] if gather is not
     None else r] @ W[e].T + bias[e]``. `weights` is a `grouped.DenseWeights` or
     `grouped.Mxfp4Weights`; `config` holds BLOCK_M (equal to the plan's), BLOCK_N, BLOCK_K
-    (a multiple of 32 for MXFP4), num_warps and num_stages."""
+    (a multiple of 32 for MXFP4), num_warps, num_stages and optionally SWAP."""
     from quantfw.kernels.mxfp4.grouped import Mxfp4Weights
 
     num_experts, n, k = weights.shape
@@ -208,6 +249,7 @@ def grouped_gemm(
         GATHER=gather is not None,
         HAS_BIAS=bias is not None,
         IEEE=a.dtype == torch.float32,
+        SWAP=config.get("SWAP", False),
         BLOCK_M=config["BLOCK_M"],
         BLOCK_N=config["BLOCK_N"],
         BLOCK_K=config["BLOCK_K"],

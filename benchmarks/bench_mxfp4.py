@@ -43,12 +43,18 @@ from quantfw.kernels.mxfp4.triton import grouped_gemm
 E, TOP_K, H, INTER = 32, 4, 2880, 2880
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 SWEEP = [
-    dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s, SWAP=swap)
-    for bm, bn, bk, w, s, swap in itertools.product(
-        (16, 32, 64, 128), (32, 64, 128), (64, 128, 256), (4, 8), (3, 4), (True, False)
+    dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3, SWAP=swap)
+    for bm, bn, bk, w, swap in itertools.product(
+        (16, 64, 128), (64, 128), (64, 128, 256), (4, 8), (True, False)
     )
-    if bm * bk <= 16384 and bn * bk <= 32768
+    if bm * bk <= 16384 and bn * bk <= 16384
 ]
+
+
+def sweep_for(rows_per_expert: float) -> list[dict]:
+    """The SWEEP configs whose BLOCK_M suits `rows_per_expert` (at most the next size up)."""
+    fit = min((bm for bm in (16, 64, 128) if bm >= rows_per_expert), default=128)
+    return [c for c in SWEEP if c["BLOCK_M"] <= fit]
 
 
 def copy_bandwidth() -> float:
@@ -129,6 +135,7 @@ def bench_tokens(t: int, dtype, copies, dense, bw: float, sweep: bool) -> dict:
     if sweep:
         for name, sets in (("mxfp4", [(*c[0], c[1], c[2]) for c in copies]), ("bf16", dense)):
             best = _best_config(
+                sweep_for(t * TOP_K / min(E, t * TOP_K)),
                 lambda cfg, sets=sets: [_layer(x, weights, ids, *w, config=cfg) for w in sets],
                 err,
                 est,
@@ -140,10 +147,10 @@ def bench_tokens(t: int, dtype, copies, dense, bw: float, sweep: bool) -> dict:
     return row
 
 
-def _best_config(calls_for, err, est: float):
-    """(time, config) of the fastest correct config of SWEEP, or None."""
+def _best_config(configs: list[dict], calls_for, err, est: float):
+    """(time, config) of the fastest correct one of `configs`, or None."""
     best = None
-    for cfg in SWEEP:
+    for cfg in configs:
         calls = calls_for(cfg)
         try:
             if err(calls[0]) > 3e-2:

@@ -10,6 +10,7 @@ from torch import nn
 from quantfw import distributed as qdist
 from quantfw.config import ModelConfig
 from quantfw.layers.linear import LinearBase
+from quantfw.layers.moe import FusedMoE
 from quantfw.layers.vocab import VocabParallelEmbedding
 from quantfw.loaders.base import initialize_model
 from quantfw.models.registry import resolve_model_class
@@ -45,6 +46,9 @@ def _logical_params(model: nn.Module) -> int:
                 total += module.bias.numel() * module.tp_size
         elif isinstance(module, VocabParallelEmbedding) and own:
             total += module.num_embeddings * module.embedding_dim  # without vocab padding
+        elif isinstance(module, FusedMoE):
+            e, h, i = module.num_experts, module.hidden_size, module.intermediate_size
+            total += e * 3 * h * i + (e * (2 * i + h) if module.has_bias else 0)
         else:
             continue
         seen.update(id(p) for p in own)
@@ -60,7 +64,7 @@ def shard_plan(model_config: ModelConfig, tp: int) -> tuple[nn.Module, list[str]
         model = initialize_model(model_config, "meta")
     lines, seen = [], set()
     for name, module in model.named_modules():
-        if not isinstance(module, (LinearBase, VocabParallelEmbedding)):
+        if not isinstance(module, (LinearBase, VocabParallelEmbedding, FusedMoE)):
             continue
         key = name.split(".")[-1]
         if key in seen:

@@ -8,10 +8,10 @@ import argparse
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "quantize",
-        help="quantize a dense HF checkpoint into the AWQ (GEMM), GPTQ or kbit on-disk format",
+        help="quantize a dense HF checkpoint into the AWQ (GEMM), GPTQ, kbit or MXFP4 format",
         description="Round-to-nearest quantization (no calibration) of the decoder's linear "
-        "layers (kbit: nearest codebook level per element); embeddings, norms and lm_head keep "
-        "their dtype.",
+        "layers (kbit: nearest codebook level per element; MXFP4: and MoE experts, in GPT-OSS's "
+        "format); embeddings, norms, routers and lm_head keep their dtype.",
     )
     p.add_argument("model", help="local folder or hub repo id of a dense checkpoint")
     from quantfw.exporter import EXPORT_METHODS
@@ -42,11 +42,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="GPTQ: 'gptq' (v1, stored zeros are z - 1; the default) or 'gptq_v2'",
     )
     p.add_argument("--seed", type=int, help="GPTQ: seed of the act-order permutations")
+    p.add_argument(
+        "--experts-only",
+        action="store_const",
+        const=True,
+        help="MXFP4: quantize only MoE experts (GPT-OSS's released layout; attention stays dense)",
+    )
     p.set_defaults(func=run)
 
 
 #: CLI flag (argparse dest) -> exporter option
-METHOD_OPTIONS = ("bits", "blocksize", "group_size", "desc_act", "sym", "checkpoint_format", "seed")
+METHOD_OPTIONS = (
+    "bits",
+    "blocksize",
+    "group_size",
+    "desc_act",
+    "sym",
+    "checkpoint_format",
+    "seed",
+    "experts_only",
+)
 
 
 def run(args: argparse.Namespace) -> int:

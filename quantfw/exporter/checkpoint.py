@@ -43,6 +43,7 @@ EXPORT_METHODS: dict[str, str] = {
     "awq": "quantfw.exporter.int4:build",
     "gptq": "quantfw.exporter.int4:build",
     "kbit": "quantfw.exporter.kbit:build",
+    "mxfp4": "quantfw.exporter.mxfp4:build",
 }
 
 

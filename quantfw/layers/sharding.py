@@ -85,6 +85,34 @@ def copy_shard(
     target.narrow(dim, dest_offset, size).copy_(loaded.narrow(dim, index * size, size))
 
 
+def padded_shard_size(size: int, num_shards: int, align: int = 1) -> int:
+    """Per-shard size of a dim of `size` elements split into `num_shards` equal shards of whole
+    `align`-element blocks (a quantization block never straddles two ranks): the dim is padded
+    up to ``num_shards * result``. MoE intermediate sizes use it (I=2880, 32-blocks: 1440 per rank
+    at tp 2, 736 at tp 4, 384 at tp 8)."""
+    blocks = -(-size // align)
+    return -(-blocks // num_shards) * align
+
+
+def copy_padded_shard(
+    target: torch.Tensor, loaded: torch.Tensor, *, dim: int, index: int, full: int
+) -> None:
+    """Shard `index` of a dim padded to ``num_shards * S`` (S = ``target.shape[dim]``): copy
+    elements ``[index * S, (index + 1) * S)`` of `loaded` that exist (`loaded` holds the `full`
+    real elements along `dim`) and zero the rest of `target`. Sizes are in stored units."""
+    if loaded.shape[dim] != full:
+        raise ShardShapeError(
+            f"checkpoint shape {tuple(loaded.shape)} has {loaded.shape[dim]} along dim {dim}, "
+            f"expected {full} (parameter shard shape {tuple(target.shape)})"
+        )
+    size = target.shape[dim]
+    start = index * size
+    real = max(0, min(size, full - start))
+    if real:
+        copy_shard(target.narrow(dim, 0, real), loaded.narrow(dim, start, real), dim=None)
+    target.narrow(dim, real, size - real).zero_()
+
+
 def load_column_shard(
     param: torch.Tensor, loaded: torch.Tensor, tp_rank: int, tp_size: int
 ) -> None:

@@ -68,6 +68,7 @@ class LlamaAttention(nn.Module):
         qk_norm: bool,
         quant_config: QuantizationConfig | None,
         prefix: str,
+        attn_options: dict[str, Any] | None = None,
     ):
         super().__init__()
         total_heads = config.num_attention_heads
@@ -96,7 +97,14 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, scale=head_dim**-0.5)
+        self.attn = Attention(
+            self.num_heads,
+            head_dim,
+            self.num_kv_heads,
+            scale=head_dim**-0.5,
+            prefix=_join(prefix, "attn"),
+            **(attn_options or {}),
+        )
 
     def forward(
         self,
@@ -121,7 +129,13 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: Any, layer_cls: type[LlamaForCausalLM], *, quant_config, prefix: str
+        self,
+        config: Any,
+        layer_cls: type[LlamaForCausalLM],
+        *,
+        layer_index: int,
+        quant_config,
+        prefix: str,
     ):
         super().__init__()
         qkv_bias, o_bias = layer_cls.attention_biases(config)
@@ -133,13 +147,10 @@ class LlamaDecoderLayer(nn.Module):
             qk_norm=layer_cls.qk_norm,
             quant_config=quant_config,
             prefix=_join(prefix, "self_attn"),
+            attn_options=layer_cls.attention_options(config, layer_index),
         )
-        self.mlp = LlamaMLP(
-            config.hidden_size,
-            config.intermediate_size,
-            bias=bool(getattr(config, "mlp_bias", False)),
-            quant_config=quant_config,
-            prefix=_join(prefix, "mlp"),
+        self.mlp = layer_cls.build_mlp(
+            config, layer_index, quant_config=quant_config, prefix=_join(prefix, "mlp")
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -173,7 +184,11 @@ class LlamaModel(nn.Module):
         )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(
-                config, layer_cls, quant_config=quant_config, prefix=_join(prefix, f"layers.{i}")
+                config,
+                layer_cls,
+                layer_index=i,
+                quant_config=quant_config,
+                prefix=_join(prefix, f"layers.{i}"),
             )
             for i in range(config.num_hidden_layers)
         )
@@ -225,6 +240,24 @@ class LlamaForCausalLM(nn.Module):
         """(bias on q/k/v, bias on o_proj)."""
         bias = bool(getattr(config, "attention_bias", False))
         return bias, bias
+
+    @classmethod
+    def attention_options(cls, config: Any, layer_index: int) -> dict[str, Any]:
+        """Extra `Attention` options of one layer (sliding_window, use_sinks)."""
+        return {}
+
+    @classmethod
+    def build_mlp(
+        cls, config: Any, layer_index: int, *, quant_config: QuantizationConfig | None, prefix: str
+    ) -> nn.Module:
+        """The feed-forward block of one decoder layer: ``mlp(hidden) -> hidden``."""
+        return LlamaMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            bias=bool(getattr(config, "mlp_bias", False)),
+            quant_config=quant_config,
+            prefix=prefix,
+        )
 
     @staticmethod
     def head_dim(config: Any) -> int:
@@ -282,10 +315,15 @@ class LlamaForCausalLM(nn.Module):
         tied = (r"^lm_head\.weight$",) if self.tie_word_embeddings else ()
         return self.skip_weight_patterns + tied
 
+    def params_mapping(self) -> list[tuple[str, str, Any]]:
+        """The checkpoint-name mapping `load_weights` uses (MoE models put their experts'
+        entries first)."""
+        return self.stacked_params_mapping
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_weights(
             self,
             weights,
-            stacked_params_mapping=self.stacked_params_mapping,
+            stacked_params_mapping=self.params_mapping(),
             skip_patterns=self.weight_skip_patterns(),
         )

@@ -16,6 +16,8 @@ _BUILTIN = {
     "MistralForCausalLM": "quantfw.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "quantfw.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "quantfw.models.qwen3:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "quantfw.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "GptOssForCausalLM": "quantfw.models.gpt_oss:GptOssForCausalLM",
 }
 for _name, _target in _BUILTIN.items():
     MODELS.register(_name, _target)

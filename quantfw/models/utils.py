@@ -28,12 +28,14 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: A
 def map_checkpoint_name(
     name: str, stacked_params_mapping: list[tuple[str, str, Any]]
 ) -> tuple[str, Any]:
-    """(parameter name, shard id) for a checkpoint tensor name; shard id None if not stacked."""
-    dotted = "." + name
+    """(parameter name, shard id) for a checkpoint tensor name; shard id None if not stacked.
+    A checkpoint part matches a whole run of dotted name parts, the leaf included (so
+    ``self_attn.sinks`` maps ``model.layers.0.self_attn.sinks``)."""
+    dotted = "." + name + "."
     for param_part, ckpt_part, shard_id in stacked_params_mapping:
         needle = "." + ckpt_part + "."
         if needle in dotted:
-            return dotted.replace(needle, "." + param_part + ".", 1)[1:], shard_id
+            return dotted.replace(needle, "." + param_part + ".", 1)[1:-1], shard_id
     return name, None
 
 
@@ -105,7 +107,7 @@ def load_weights(
 
 
 def _expected_shards(name: str, mapping: list[tuple[str, str, Any]]) -> set:
-    dotted = "." + name
+    dotted = "." + name + "."
     return {shard for part, _, shard in mapping if "." + part + "." in dotted}
 
 

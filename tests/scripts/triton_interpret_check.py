@@ -7,23 +7,11 @@ import sys
 
 import torch
 from paged_case import make_case
+from script_checks import FAILED, check, rel
 
 from quantfw.kernels.attention import triton_paged
 from quantfw.kernels.fused import reference, triton_ops
 from quantfw.layers.attention.backends.triton import TritonBackend
-
-FAILED = []
-
-
-def check(name: str, err: float, tol: float) -> None:
-    ok = err <= tol
-    print(f"{'ok  ' if ok else 'FAIL'} {name}: {err:.2e} (<= {tol:g})")
-    if not ok:
-        FAILED.append(name)
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
 def attention() -> None:

@@ -119,11 +119,18 @@ def build_model(
     return path
 
 
-def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt, one prompt at a time."""
+def hf_greedy(
+    path: str | torch.nn.Module, prompts: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, one prompt at a time, by the model at
+    `path` (or the model itself)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = (
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        if isinstance(path, str)
+        else path
+    )
     outs = []
     with torch.no_grad():
         for ids in prompts:

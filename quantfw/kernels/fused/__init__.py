@@ -1,6 +1,6 @@
 """Fused small ops of a decoder layer: RMSNorm (with the residual add), per-head q/k RMSNorm +
 rotary (optionally storing the rotated key and the value in the paged KV cache), SiLU-and-mul,
-and the KV-cache store alone.
+GPT-OSS's clamped SwiGLU, and the KV-cache store alone.
 
 Each op has a plain torch path (`reference.py`, the CPU path and what tests compare against,
 matching transformers' arithmetic and rounding) and one Triton kernel (`triton_ops.py`) used for
@@ -16,7 +16,7 @@ import torch
 
 from quantfw.kernels.fused import reference
 
-__all__ = ["rms_norm", "silu_and_mul", "qk_norm_rope", "store_kv", "triton_available"]
+__all__ = ["rms_norm", "silu_and_mul", "swiglu_oai", "qk_norm_rope", "store_kv", "triton_available"]
 
 
 @functools.cache
@@ -51,6 +51,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
         return triton_ops.silu_and_mul(x)
     return reference.silu_and_mul(x)
+
+
+def swiglu_oai(x: torch.Tensor, alpha: float, limit: float | None) -> torch.Tensor:
+    """GPT-OSS's SwiGLU on x = [gate (d) | up (d)]: ``(clamp(up, -limit, limit) + 1) * g *
+    sigmoid(alpha * g)`` with ``g = clamp(gate, max=limit)`` (no clamp when limit is None)."""
+    if _use_triton(x):
+        from quantfw.kernels.fused import triton_ops
+
+        return triton_ops.swiglu_oai(x, alpha, limit)
+    return reference.swiglu_oai(x, alpha, limit)
 
 
 def qk_norm_rope(

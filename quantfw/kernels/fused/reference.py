@@ -21,6 +21,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x[..., :d]) * x[..., d:]
 
 
+def swiglu_oai(x: torch.Tensor, alpha: float, limit: float | None) -> torch.Tensor:
+    """GPT-OSS's clamped SwiGLU on x = [gate (d) | up (d)]: gate clamped above and up on both
+    sides at `limit`, then ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+    d = x.shape[-1] // 2
+    gate, up = x[..., :d], x[..., d:]
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
     rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
     half = rotary_dim // 2

@@ -99,6 +99,36 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _swiglu_oai_kernel(
+    x_ptr, out_ptr, d, x_stride, alpha, limit, CLAMP: tl.constexpr, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    dtype = out_ptr.dtype.element_ty
+    g = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * x_stride + d + cols, mask=mask, other=0.0).to(tl.float32)
+    if CLAMP:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    glu = g / (1.0 + tl.exp(-g * alpha))
+    tl.store(out_ptr + row * d + cols, ((u + 1.0) * glu).to(dtype), mask=mask)
+
+
+def swiglu_oai(x: torch.Tensor, alpha: float, limit: float | None) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    x2 = _rows(x)
+    out = torch.empty((x2.shape[0], d), dtype=x.dtype, device=x.device)
+    block = min(2048, triton.next_power_of_2(d))
+    if x2.shape[0]:
+        _swiglu_oai_kernel[(x2.shape[0], triton.cdiv(d, block))](
+            x2, out, d, x2.stride(0), float(alpha), float(limit or 0.0),
+            CLAMP=limit is not None, BLOCK=block, num_warps=_warps(block),
+        )  # fmt: skip
+    return out.view(*x.shape[:-1], d)
+
+
+@triton.jit
 def _norm_rope_heads(
     src,
     dst,

@@ -40,6 +40,7 @@ _BUILTIN: dict[str, str] = {
     "awq": "quantfw.layers.quantization.awq:AWQConfig",
     "gptq": "quantfw.layers.quantization.gptq:GPTQConfig",
     "kbit": "quantfw.layers.quantization.kbit:KbitConfig",
+    "mxfp4": "quantfw.layers.quantization.mxfp4:Mxfp4Config",
 }
 for _name, _target in _BUILTIN.items():
     QUANTIZATION_METHODS.register(_name, _target)

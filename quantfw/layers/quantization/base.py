@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -140,7 +141,11 @@ class QuantizationConfig(ABC):
 
 
 def _matches(prefix: str, pattern: str) -> bool:
-    """`pattern` is a whole run of dotted name parts inside `prefix`."""
+    """`pattern` is a whole run of dotted name parts inside `prefix`; a pattern with ``*`` is a
+    regex matched from the start of `prefix` up to a part boundary, as transformers reads
+    ``modules_to_not_convert`` (GPT-OSS lists ``model.layers.*.self_attn``)."""
+    if "*" in pattern:
+        return re.match(rf"(?:{pattern})(?:\.|$)", prefix) is not None
     return ("." + pattern + ".") in ("." + prefix + ".")
 
 

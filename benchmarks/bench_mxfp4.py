@@ -1,0 +1,286 @@
+"""MXFP4 mixture-of-experts on one GPU: GPT-OSS-20B's expert shapes (E=32, top-4, H=2880,
+I=2880) for 1..4096 tokens, and (``--e2e``) the whole GPT-OSS-20B with dummy weights through the
+engine against its bf16-expert twin.
+
+Layer mode: for each token count, random router logits pick the experts; each method's full
+MoE layer (sort, W13 GEMM + bias, SwiGLU, W2 GEMM + bias, combine) is checked against the
+dequantize-per-expert reference, then timed as CUDA-graph replays over weight copies rotated so
+L2 holds none (``kernels.common.timing``). Methods: our Triton grouped GEMM with MXFP4 experts,
+the same kernel with bf16 experts (the grouped baseline) and, with ``--sweep``, the best of a
+grid of kernel configs for each (a few minutes per token count). The floor is the time to read the experts actually routed to
+(MXFP4 blocks, scales and biases of each distinct expert, once) at the device's measured copy
+bandwidth. Targets (issue 19): decode (<= 16 tokens) within 1.5x the floor, prefill no slower
+than bf16.
+
+E2E mode: batch-1 greedy decode of the bundled GPT-OSS-20B config (``quantfw/data/gpt_oss_20b``,
+dummy weights) through ``LLMEngine`` with CUDA graphs, MXFP4 experts and bf16 experts; the floor
+is the bytes one decode step reads (all non-expert weights but the embedding table, one
+embedding row, top-k experts per layer, the lm_head) at the measured bandwidth. Targets: >= 70%
+of the floor, MXFP4 >= 2x the bf16 twin.
+
+    python benchmarks/bench_mxfp4.py --out $OUT/mxfp4-layer.json [--sweep]
+    python benchmarks/bench_mxfp4.py --e2e --out $OUT/mxfp4-e2e.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import tempfile
+import time
+
+import torch
+
+from quantfw.kernels import moe, mxfp4
+from quantfw.kernels.common.timing import events_median, graph_times
+from quantfw.kernels.fused import swiglu_oai
+from quantfw.kernels.mxfp4 import grouped
+from quantfw.kernels.mxfp4.triton import grouped_gemm
+
+E, TOP_K, H, INTER = 32, 4, 2880, 2880
+TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+SWEEP = [
+    dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3, SWAP=swap)
+    for bm, bn, bk, w, swap in itertools.product(
+        (16, 64, 128), (64, 128), (64, 128, 256), (4, 8), (True, False)
+    )
+    if bm * bk <= 16384 and bn * bk <= 16384
+]
+
+
+def sweep_for(rows_per_expert: float) -> list[dict]:
+    """The SWEEP configs whose BLOCK_M suits `rows_per_expert` (at most the next size up)."""
+    fit = min((bm for bm in (16, 64, 128) if bm >= rows_per_expert), default=128)
+    return [c for c in SWEEP if c["BLOCK_M"] <= fit]
+
+
+def copy_bandwidth() -> float:
+    """Device copy bandwidth in bytes/s (read + write of a 2 GiB buffer)."""
+    src = torch.empty(2**30, dtype=torch.uint16, device="cuda")
+    dst = torch.empty_like(src)
+    us = events_median(lambda: dst.copy_(src), iters=10)
+    return 2 * src.numel() * 2 / (us * 1e-6)
+
+
+def make_experts(dtype: torch.dtype, copies: int, seed: int = 0):
+    """`copies` sets of ((MXFP4 W13, MXFP4 W2), b13, b2) of random experts."""
+    out = []
+    for c in range(copies):
+        g = torch.Generator(device="cuda").manual_seed(seed + c)
+        w13 = torch.randn(E, 2 * INTER, H, device="cuda", generator=g) * 0.02
+        w2 = torch.randn(E, H, INTER, device="cuda", generator=g) * 0.02
+        b13 = torch.randn(E, 2 * INTER, device="cuda", generator=g).to(dtype) * 0.1
+        b2 = torch.randn(E, H, device="cuda", generator=g).to(dtype) * 0.1
+        q13, q2 = mxfp4.quantize(w13), mxfp4.quantize(w2)
+        del w13, w2
+        mx = (grouped.Mxfp4Weights(*q13), grouped.Mxfp4Weights(*q2))
+        out.append((mx, b13, b2))
+    return out
+
+
+def expert_bytes_mxfp4() -> int:
+    """Blocks, scales and bf16 biases of one expert (W13 and W2)."""
+    weights = 2 * INTER * H + H * INTER
+    return weights // 2 + weights // 32 + (2 * INTER + H) * 2
+
+
+def _act(y: torch.Tensor) -> torch.Tensor:
+    return swiglu_oai(y, 1.702, 7.0)
+
+
+def _layer(x, weights, ids, w13, w2, b13, b2, config=None):
+    """One call of the whole MoE layer, as a zero-argument function."""
+    return lambda: grouped.moe_forward(
+        x, weights, ids, w13=w13, w2=w2, w13_bias=b13, w2_bias=b2, activation=_act, config=config
+    )
+
+
+def bench_tokens(t: int, dtype, copies, dense, bw: float, sweep: bool) -> dict:
+    g = torch.Generator(device="cuda").manual_seed(t)
+    x = torch.randn(t, H, device="cuda", generator=g).to(dtype)
+    logits = torch.randn(t, E, device="cuda", generator=g)
+    weights, ids = moe.select_experts(logits.to(dtype), TOP_K, "topk_softmax")
+    distinct = int(torch.unique(ids).numel())
+    floor_us = distinct * expert_bytes_mxfp4() / bw * 1e6
+    (mx13, mx2), b13, b2 = copies[0]
+    d13, d2 = dense[0][0].weight, dense[0][1].weight
+    ref = moe.experts_forward_cpu(
+        x.float(), weights.float(), ids, num_experts=E,
+        expert_weights=lambda e: (d13[e].float(), d2[e].float()),
+        activation=_act, w13_bias=b13.float(), w2_bias=b2.float(),
+    )  # fmt: skip
+
+    def err(fn) -> float:
+        return ((fn().float() - ref).abs().max() / ref.abs().max()).item()
+
+    mx_calls = [_layer(x, weights, ids, *c[0], c[1], c[2]) for c in copies]
+    bf_calls = [_layer(x, weights, ids, *c) for c in dense]
+    est = max(floor_us, 20.0)
+    mx_us, bf_us = graph_times([mx_calls, bf_calls], est)
+    row = {
+        "tokens": t,
+        "distinct_experts": distinct,
+        "default_config": grouped_gemm.default_config(t * TOP_K, E, 2 * INTER, H),
+        "mxfp4_us": round(mx_us, 2),
+        "bf16_us": round(bf_us, 2),
+        "floor_us": round(floor_us, 2),
+        "mxfp4_over_floor": round(mx_us / floor_us, 3),
+        "bf16_over_mxfp4": round(bf_us / mx_us, 3),
+        "mxfp4_rel_err": err(mx_calls[0]),
+        "bf16_rel_err": err(bf_calls[0]),
+    }
+    if sweep:
+        for name, sets in (("mxfp4", [(*c[0], c[1], c[2]) for c in copies]), ("bf16", dense)):
+            best = _best_config(
+                sweep_for(t * TOP_K / min(E, t * TOP_K)),
+                lambda cfg, sets=sets: [_layer(x, weights, ids, *w, config=cfg) for w in sets],
+                err,
+                est,
+            )
+            if best is not None:
+                row[f"{name}_sweep_best_us"], row[f"{name}_sweep_best_config"] = best
+        if "mxfp4_sweep_best_us" in row:
+            row["mxfp4_sweep_best_over_floor"] = round(row["mxfp4_sweep_best_us"] / floor_us, 3)
+    return row
+
+
+def _best_config(configs: list[dict], calls_for, err, est: float):
+    """(time, config) of the fastest correct one of `configs`, or None."""
+    best = None
+    for cfg in configs:
+        calls = calls_for(cfg)
+        try:
+            if err(calls[0]) > 3e-2:
+                print(f"  wrong result with {cfg}", flush=True)
+                continue
+            (us,) = graph_times([calls], est, rounds=3)
+        except Exception as exc:  # a config this GPU cannot run (shared memory)
+            print(f"  skip {cfg}: {type(exc).__name__}", flush=True)
+            continue
+        if best is None or us < best[0]:
+            best = (round(us, 2), cfg)
+    return best
+
+
+def layer_bench(args) -> dict:
+    dtype = getattr(torch, args.dtype)
+    bw = copy_bandwidth()
+    copies = make_experts(dtype, 2)
+    dense = [
+        (
+            grouped.DenseWeights(mxfp4.dequantize(mx13.blocks, mx13.scales, dtype)),
+            grouped.DenseWeights(mxfp4.dequantize(mx2.blocks, mx2.scales, dtype)),
+            b13,
+            b2,
+        )
+        for (mx13, mx2), b13, b2 in copies
+    ]
+    rows = []
+    for t in args.tokens:
+        rows.append(bench_tokens(t, dtype, copies, dense, bw, args.sweep))
+        print(json.dumps(rows[-1]), flush=True)
+    return {"bandwidth_GBps": round(bw / 1e9, 1), "rows": rows}
+
+
+def e2e_bench(args) -> dict:
+    from quantfw.engine import LLMEngine, SamplingParams
+
+    bundled = os.path.join(os.path.dirname(__file__), "..", "quantfw", "data", "gpt_oss_20b")
+    bw = copy_bandwidth()
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        twin = os.path.join(tmp, "bf16")
+        os.makedirs(twin)
+        with open(os.path.join(bundled, "config.json")) as f:
+            cfg = json.load(f)
+        cfg.pop("quantization_config")
+        with open(os.path.join(twin, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        for name, folder in (("mxfp4", bundled), ("bf16", twin)):
+            engine = LLMEngine(
+                folder, dtype=args.dtype, load_format="dummy", max_model_len=args.max_model_len,
+                max_num_seqs=1, cuda_graphs=True,
+            )  # fmt: skip
+            step_bytes = decode_step_bytes(engine.model)
+            params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+            engine.add_request(list(range(100, 100 + args.prompt_len)), params)
+            times = []
+            while engine.has_unfinished():
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                engine.step()
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+            decode = sorted(times[2:])  # drop the prefill and the first decode step
+            median = decode[len(decode) // 2]
+            floor = step_bytes / bw
+            results[name] = {
+                "decode_tokens_per_s": round(1 / median, 1),
+                "step_ms": round(median * 1e3, 3),
+                "floor_ms": round(floor * 1e3, 3),
+                "fraction_of_floor": round(floor / median, 3),
+                "bytes_per_step_GB": round(step_bytes / 1e9, 3),
+            }
+            print(name, json.dumps(results[name]), flush=True)
+            del engine
+            torch.cuda.empty_cache()
+    results["mxfp4_speedup_over_bf16"] = round(
+        results["bf16"]["step_ms"] / results["mxfp4"]["step_ms"], 3
+    )
+    return {"bandwidth_GBps": round(bw / 1e9, 1), **results}
+
+
+def decode_step_bytes(model: torch.nn.Module) -> int:
+    """Bytes one batch-1 decode step must read: every tensor but the embedding table (one row)
+    and the experts (top-k of E per layer)."""
+    from quantfw.layers.moe import FusedMoE
+    from quantfw.layers.rotary import RotaryEmbedding
+    from quantfw.layers.vocab import ParallelLMHead, VocabParallelEmbedding
+
+    total = 0
+    for module in model.modules():
+        own = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
+        nbytes = sum(t.numel() * t.element_size() for t in own)
+        if isinstance(module, FusedMoE):
+            total += nbytes * module.top_k // module.num_experts
+        elif isinstance(module, RotaryEmbedding):
+            continue  # a few cos/sin rows
+        elif isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead):
+            total += nbytes // module.num_embeddings
+        else:
+            total += nbytes
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "mxfp4.json"))
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    ap.add_argument("--sweep", action="store_true", help="also time a grid of kernel configs")
+    ap.add_argument("--e2e", action="store_true", help="GPT-OSS-20B through the engine instead")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    args = ap.parse_args()
+    args.tokens = [int(t) for t in args.tokens.split(",")]
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "dtype": args.dtype,
+        "shapes": {"experts": E, "top_k": TOP_K, "hidden": H, "intermediate": INTER},
+    }
+    report.update(e2e_bench(args) if args.e2e else layer_bench(args))
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,251 @@
+"""MXFP4 (``quant_method: mxfp4``): FP4 E2M1 weights with one UE8M0 scale per 32 inputs, as
+GPT-OSS checkpoints store their experts (format: `quantfw.kernels.mxfp4.format`,
+docs/formats.md).
+
+* Experts (`FusedMoE`): ``<experts>.gate_up_proj_blocks [E, 2I, H/32, 16]`` (gate and up rows
+  interleaved), ``gate_up_proj_scales [E, 2I, H/32]``, ``down_proj_blocks [E, H, I/32, 16]``,
+  ``down_proj_scales [E, H, I/32]`` (uint8), biases in the model dtype; or one tensor per expert
+  (``experts.{e}.gate_proj.weight_blocks``...). The model's expert mapping says which.
+* Dense linear layers: ``weight_blocks [O, I/32, 16]`` and ``weight_scales [O, I/32]``
+  (quantfw's own naming, written by ``quantfw quantize --method mxfp4``; GPT-OSS keeps its dense
+  layers in bf16 and lists them in ``modules_to_not_convert``).
+
+Runtime: on Blackwell with FlashInfer installed, experts go through FlashInfer's MXFP8 x MXFP4
+grouped GEMM (`quantfw.kernels.mxfp4.flashinfer`; scales swizzled once after loading; not
+run on hardware by this project yet); on other CUDA GPUs (compute capability >= 8.0, Triton
+installed) our Triton grouped MXFP4 GEMM (`quantfw.kernels.mxfp4.grouped`; a dense layer is a
+group of one); elsewhere one expert (or layer) at a time is dequantized for a plain matmul and
+freed after it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quantfw.kernels import moe, mxfp4
+from quantfw.kernels.mxfp4 import grouped
+from quantfw.layers.moe.base import FusedMoEMethodBase, create_expert_biases, moe_param
+from quantfw.layers.quantization import int4
+from quantfw.layers.quantization.base import (
+    LinearMethodBase,
+    QuantizationConfig,
+    QuantizeMethodBase,
+    UnquantizedLinearMethod,
+    replace_with_buffers,
+)
+from quantfw.layers.sharding import set_weight_attrs
+
+#: UE8M0 bytes a dummy model draws: 2**-9 .. 2**-6 per scale, weights of at most 6 * 2**-6
+DUMMY_SCALE_RANGE = (118, 122)
+
+
+def _dummy_scales(param: torch.Tensor, generator: torch.Generator) -> None:
+    low, high = DUMMY_SCALE_RANGE
+    values = torch.randint(low, high, param.shape, generator=generator, dtype=torch.int64)
+    param.data.copy_(values.to(param.dtype))
+
+
+class Mxfp4Config(QuantizationConfig):
+    """``quant_method: mxfp4``; reads ``modules_to_not_convert`` (names, or regexes with ``*``
+    such as GPT-OSS's ``model.layers.*.self_attn``). Experts and dense linear layers not listed
+    there are MXFP4; routers are always built unquantized by the models."""
+
+    def __init__(self, *, modules_to_not_convert: list[str] | None = None):
+        self.modules_to_not_convert = list(modules_to_not_convert or [])
+
+    @classmethod
+    def get_name(cls) -> str:
+        return "mxfp4"
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Mxfp4Config:
+        return cls(modules_to_not_convert=config.get("modules_to_not_convert"))
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        from quantfw.layers.linear import LinearBase
+        from quantfw.layers.moe import FusedMoE, UnquantizedFusedMoEMethod
+
+        if isinstance(layer, FusedMoE):
+            return (
+                UnquantizedFusedMoEMethod() if self.is_layer_skipped(prefix) else Mxfp4MoEMethod()
+            )
+        if isinstance(layer, LinearBase):
+            return (
+                UnquantizedLinearMethod() if self.is_layer_skipped(prefix) else Mxfp4LinearMethod()
+            )
+        return None
+
+    def __repr__(self) -> str:
+        return f"Mxfp4Config(modules_to_not_convert={self.modules_to_not_convert})"
+
+
+def _check_blocks(layer: nn.Module, what: str, size: int) -> None:
+    int4.check_divisible(
+        layer, what, size, mxfp4.BLOCK_SIZE, "MXFP4 shares one scale per 32 inputs and a shard "
+        "(or the checkpoint's block layout) would split a block"
+    )  # fmt: skip
+
+
+class Mxfp4LinearMethod(LinearMethodBase):
+    """``weight_blocks [O, I/32, 16]`` and ``weight_scales [O, I/32]`` (uint8)."""
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra: Any,
+    ) -> None:
+        _check_blocks(layer, "input size per partition", input_size_per_partition)
+        out, groups = sum(output_partition_sizes), input_size_per_partition // mxfp4.BLOCK_SIZE
+        attrs = {"input_dim": 1, "output_dim": 0, "packed_dim": 1, "pack_factor": mxfp4.BLOCK_SIZE}
+        for name, shape, more in (
+            ("weight_blocks", (out, groups, mxfp4.BLOCK_SIZE // 2), {}),
+            ("weight_scales", (out, groups), {"dummy_init": _dummy_scales}),
+        ):
+            param = nn.Parameter(torch.empty(shape, dtype=torch.uint8), requires_grad=False)
+            set_weight_attrs(param, {**attrs, **more, **extra})
+            layer.register_parameter(name, param)
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if grouped.gpu_available(x):
+            return grouped.linear(
+                x, grouped.Mxfp4Weights(layer.weight_blocks, layer.weight_scales), bias
+            )
+        weight = mxfp4.dequantize(layer.weight_blocks, layer.weight_scales, x.dtype)
+        return F.linear(x, weight, bias)
+
+    def runtime_nbytes(self, layer: nn.Module) -> int:
+        return layer.weight_blocks.numel() + layer.weight_scales.numel()
+
+
+class Mxfp4MoEMethod(FusedMoEMethodBase):
+    """``w13_blocks [E, 2 I_p, H/32, 16]``, ``w13_scales [E, 2 I_p, H/32]``, ``w2_blocks
+    [E, H, I_p/32, 16]``, ``w2_scales [E, H, I_p/32]`` (uint8), with biases when the layer has
+    them. ``I_p`` is padded to whole 32-blocks per rank; padded rows and blocks are zero."""
+
+    intermediate_alignment = mxfp4.BLOCK_SIZE
+
+    def create_weights(  # type: ignore[override]
+        self,
+        layer: nn.Module,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+        **extra: Any,
+    ) -> None:
+        _check_blocks(layer, "hidden size", hidden_size)
+        _check_blocks(layer, "intermediate size", layer.intermediate_size)
+        e, h, i, b = num_experts, hidden_size, intermediate_size_per_partition, mxfp4.BLOCK_SIZE
+        u8 = torch.uint8
+        scales = {"dummy_init": _dummy_scales}
+        moe_param(
+            layer,
+            "w13_blocks",
+            torch.empty(e, 2 * i, h // b, b // 2, dtype=u8),
+            moe_dim=1,
+            fused=True,
+            **extra,
+        )
+        moe_param(
+            layer,
+            "w13_scales",
+            torch.empty(e, 2 * i, h // b, dtype=u8),
+            moe_dim=1,
+            fused=True,
+            **scales,
+            **extra,
+        )
+        moe_param(
+            layer,
+            "w2_blocks",
+            torch.empty(e, h, i // b, b // 2, dtype=u8),
+            moe_dim=2,
+            fused=False,
+            units=b,
+            **extra,
+        )
+        moe_param(
+            layer,
+            "w2_scales",
+            torch.empty(e, h, i // b, dtype=u8),
+            moe_dim=2,
+            fused=False,
+            units=b,
+            **scales,
+            **extra,
+        )
+        if layer.has_bias:
+            create_expert_biases(layer, e, h, i, params_dtype, **extra)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """On Blackwell with FlashInfer: pad the experts and swizzle their scales once for
+        FlashInfer's grouped GEMM (buffers ``w13_fi_*``/``w2_fi_*``) and drop the checkpoint
+        tensors. Elsewhere the checkpoint layout is what the kernels read."""
+        from quantfw.kernels.mxfp4 import flashinfer
+
+        if layer.params_dtype not in (torch.float16, torch.bfloat16):
+            return
+        if not flashinfer.available(layer.w13_blocks.device):
+            return
+        w13 = flashinfer.FlashInferWeights.prepare(layer.w13_blocks.data, layer.w13_scales.data)
+        w2 = flashinfer.FlashInferWeights.prepare(layer.w2_blocks.data, layer.w2_scales.data)
+        replace_with_buffers(
+            layer,
+            ("w13_blocks", "w13_scales", "w2_blocks", "w2_scales"),
+            {
+                "w13_fi_b": w13.b,
+                "w13_fi_scale": w13.b_scale,
+                "w2_fi_b": w2.b,
+                "w2_fi_scale": w2.b_scale,
+            },
+        )
+        layer.flashinfer_sizes = ((w13.n, w13.k), (w2.n, w2.k))
+
+    def apply(  # type: ignore[override]
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        w13_bias, w2_bias = layer.expert_biases()
+        if getattr(layer, "w13_fi_b", None) is not None:
+            from quantfw.kernels.mxfp4 import flashinfer
+
+            (n13, k13), (n2, k2) = layer.flashinfer_sizes
+            return flashinfer.moe_forward(
+                x, topk_weights, topk_ids,
+                w13=flashinfer.FlashInferWeights(layer.w13_fi_b, layer.w13_fi_scale, n13, k13),
+                w2=flashinfer.FlashInferWeights(layer.w2_fi_b, layer.w2_fi_scale, n2, k2),
+                w13_bias=w13_bias, w2_bias=w2_bias, activation=layer.activation,
+            )  # fmt: skip
+        if grouped.gpu_available(x):
+            return grouped.moe_forward(
+                x, topk_weights, topk_ids,
+                w13=grouped.Mxfp4Weights(layer.w13_blocks, layer.w13_scales),
+                w2=grouped.Mxfp4Weights(layer.w2_blocks, layer.w2_scales),
+                w13_bias=w13_bias, w2_bias=w2_bias, activation=layer.activation,
+            )  # fmt: skip
+
+        def expert_weights(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return (
+                mxfp4.dequantize(layer.w13_blocks[e], layer.w13_scales[e], x.dtype),
+                mxfp4.dequantize(layer.w2_blocks[e], layer.w2_scales[e], x.dtype),
+            )
+
+        return moe.experts_forward_cpu(
+            x, topk_weights, topk_ids, num_experts=layer.num_experts,
+            expert_weights=expert_weights, activation=layer.activation,
+            w13_bias=w13_bias, w2_bias=w2_bias,
+        )  # fmt: skip

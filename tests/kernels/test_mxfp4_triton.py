@@ -1,0 +1,139 @@
+"""The MXFP4 / grouped expert GEMM Triton kernels: under Triton's interpreter on the CPU (small
+sizes; the same kernel code the GPU runs) and, marked gpu, on CUDA at GPT-OSS shapes against
+the dequantize-per-expert reference, including CUDA-graph capture of a whole MoE layer."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from quantfw.kernels import moe, mxfp4
+from quantfw.kernels.fused import reference as fused_ref
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "mxfp4_interpret_check.py")
+SUPPORT = os.path.join(os.path.dirname(__file__), "..", "support")
+
+
+def test_kernels_under_the_interpreter():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": SUPPORT, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(
+        [sys.executable, SCRIPT], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "FAIL" not in proc.stdout and proc.stdout.count("ok ") >= 9
+
+
+_WEIGHTS: dict = {}
+
+
+def _experts(e, n, k, dtype, quantized, seed):
+    """Random experts [e, n, k] on the GPU (cached per shape: GPT-OSS's are large) and their
+    float32 dequantization."""
+    from quantfw.kernels.mxfp4 import grouped
+
+    key = (e, n, k, dtype, quantized, seed)
+    if key not in _WEIGHTS:
+        _WEIGHTS.clear()  # keep one layer's worth of experts alive
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        w = torch.randn(e, n, k, generator=g, device="cuda") * 0.05
+        if quantized:
+            blocks, scales = mxfp4.quantize(w)
+            pair = (
+                grouped.Mxfp4Weights(blocks, scales),
+                mxfp4.dequantize(blocks, scales, torch.float32),
+            )
+        else:
+            pair = (grouped.DenseWeights(w.to(dtype)), w.to(dtype).float())
+        _WEIGHTS[key] = pair
+    return _WEIGHTS[key]
+
+
+def _moe_case(tokens, e, h, i, top, dtype, quantized, seed=0):
+    w13, d13 = _experts(e, 2 * i, h, dtype, quantized, seed)
+    w2, d2 = _experts(e, h, i, dtype, quantized, seed + 1)
+    g = torch.Generator(device="cuda").manual_seed(seed + tokens)
+    b13 = (torch.randn(e, 2 * i, generator=g, device="cuda") * 0.1).to(dtype)
+    b2 = (torch.randn(e, h, generator=g, device="cuda") * 0.1).to(dtype)
+    x = torch.randn(tokens, h, generator=g, device="cuda").to(dtype)
+    logits = torch.randn(tokens, e, generator=g, device="cuda").to(dtype)
+    weights, ids = moe.select_experts(logits, top, "topk_softmax")
+    act = lambda y: fused_ref.swiglu_oai(y, 1.702, 7.0)  # noqa: E731
+    ref = moe.experts_forward_cpu(
+        x.float(), weights.float(), ids, num_experts=e,
+        expert_weights=lambda ex: (d13[ex], d2[ex]),
+        activation=act, w13_bias=b13.float(), w2_bias=b2.float(),
+    )  # fmt: skip
+    return dict(x=x, weights=weights, ids=ids, w13=w13, w2=w2, b13=b13, b2=b2, act=act), ref
+
+
+def _run(case, config=None):
+    from quantfw.kernels.mxfp4 import grouped
+
+    return grouped.moe_forward(
+        case["x"], case["weights"], case["ids"], w13=case["w13"], w2=case["w2"],
+        w13_bias=case["b13"], w2_bias=case["b2"], activation=case["act"], config=config,
+    )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantized", [True, False], ids=["mxfp4", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("i", [2880, 736, 384])  # GPT-OSS-20B's I at tp 1, 4, 8
+def test_gpu_moe_matches_reference(dtype, quantized, i):
+    pytest.importorskip("triton")
+    for tokens in (1, 3, 16, 77, 512):  # the one-launch sort up to 64 tokens, torch's beyond
+        case, ref = _moe_case(tokens, 32, 2880, i, 4, dtype, quantized)
+        out = _run(case)
+        assert out.dtype == dtype and torch.isfinite(out).all()
+        err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+        assert err <= 2e-2, f"{tokens} tokens: relative error {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
+        dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4, SWAP=True),
+        dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
+        dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+        dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2, SWAP=True),
+    ],
+)
+def test_gpu_configs_agree(config):
+    pytest.importorskip("triton")
+    case, ref = _moe_case(200, 8, 256, 192, 2, torch.bfloat16, True, seed=3)
+    err = ((_run(case, config).float() - ref).abs().max() / ref.abs().max()).item()
+    assert err <= 2e-2
+
+
+@pytest.mark.gpu
+def test_gpu_float32_matches_the_cpu_path_closely():
+    pytest.importorskip("triton")
+    case, ref = _moe_case(9, 8, 128, 96, 2, torch.float32, True, seed=5)
+    assert ((_run(case) - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+
+
+@pytest.mark.gpu
+def test_gpu_moe_layer_captures_in_a_cuda_graph():
+    pytest.importorskip("triton")
+    case, _ = _moe_case(4, 32, 2880, 2880, 4, torch.bfloat16, True, seed=7)
+    eager = _run(case)
+    static_x = case["x"].clone()
+    case["x"] = static_x
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        _run(case)  # warm-up (compiles) outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _run(case)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)

@@ -1,0 +1,142 @@
+"""Run with TRITON_INTERPRET=1 (CPU): the grouped expert GEMM (MXFP4 and dense weights), the
+whole MoE pipeline and the dense MXFP4 linear against the references, at small sizes; the
+in-kernel MXFP4 decode bit for bit against `mxfp4.dequantize` for every byte and scale. Prints
+one line per check and exits non-zero on a failure."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import triton
+import triton.language as tl
+from script_checks import FAILED, check, rel
+
+from quantfw.kernels import moe, mxfp4
+from quantfw.kernels.fused import reference as fused_ref
+from quantfw.kernels.mxfp4 import grouped
+from quantfw.kernels.mxfp4.triton import grouped_gemm as gg
+
+
+@triton.jit
+def _decode_kernel(packed_ptr, scale_ptr, out_ptr, N: tl.constexpr):
+    """Decode N bytes (low then high nibble) under one scale byte per row."""
+    row = tl.program_id(0)
+    j = tl.arange(0, N)
+    p = tl.load(packed_ptr + row * N + j).to(tl.int32)
+    s = tl.load(scale_ptr + row).to(tl.int32)
+    f = gg._ue8m0_half(s)
+    tl.store(out_ptr + row * 2 * N + 2 * j, gg._e2m1_times_two(p & 15) * f)
+    tl.store(out_ptr + row * 2 * N + 2 * j + 1, gg._e2m1_times_two(p >> 4) * f)
+
+
+def decode() -> None:
+    packed = torch.arange(256, dtype=torch.uint8).repeat(256, 1)  # every byte, every scale
+    scales = torch.arange(256, dtype=torch.uint8)
+    out = torch.empty(256, 512, dtype=torch.float32)
+    _decode_kernel[(256,)](packed, scales, out, N=256)
+    ref = mxfp4.dequantize(
+        packed.view(256, 16, 16), scales.view(256, 1).expand(256, 16).contiguous(), torch.float32
+    )
+    same = torch.equal(out.view(torch.int32), ref.view(torch.int32))
+    check("in-kernel decode, every byte x every scale, bitwise", 0.0 if same else 1.0, 0.0)
+
+
+def experts(e, n, k, g, quantized):
+    w = torch.randn(e, n, k, generator=g) * 0.3
+    if not quantized:
+        return grouped.DenseWeights(w), w
+    blocks, scales = mxfp4.quantize(w)
+    scales[0, 0, 0] = 1  # tiny and huge blocks next to ordinary ones
+    scales[-1, 1, -1] = 134
+    return grouped.Mxfp4Weights(blocks, scales), mxfp4.dequantize(blocks, scales, torch.float32)
+
+
+def grouped_gemm() -> None:
+    g = torch.Generator().manual_seed(0)
+    e, n, k, t, top = 4, 40, 96, 9, 2
+    for quantized in (True, False):
+        for cfg in (
+            dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1),
+            dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=1, SWAP=True),
+        ):
+            w, dense = experts(e, n, k, g, quantized)
+            x = torch.randn(t, k, generator=g)
+            ids = torch.randint(0, e - 1, (t, top), generator=g)  # expert e-1 gets no rows
+            ids[0] = torch.tensor([2, 0])
+            bias = torch.randn(e, n, generator=g)
+            sort = moe.sort_by_expert(ids, e)
+            plan = moe.block_schedule(sort.m_indptr, t * top, cfg["BLOCK_M"])
+            out = gg.grouped_gemm(x, w, plan, bias=bias, gather=sort.token_index, config=cfg)
+            ref = torch.stack(
+                [x[tok].double() @ dense[ex].double().T + bias[ex].double()
+                 for tok, ex in zip(sort.token_index.tolist(), sort.expert_of_row.tolist())]
+            )  # fmt: skip
+            tag = f"{'mxfp4' if quantized else 'dense'} BN={cfg['BLOCK_N']} BK={cfg['BLOCK_K']}"
+            tag += " swap" if cfg.get("SWAP") else ""
+            check(f"grouped_gemm {tag}", rel(out, ref), 1e-5)
+
+
+def pipeline() -> None:
+    g = torch.Generator().manual_seed(1)
+    e, h, i, t, top = 5, 64, 96, 7, 2
+    w13, d13 = experts(e, 2 * i, h, g, True)
+    w2, d2 = experts(e, h, i, g, True)
+    b13, b2 = torch.randn(e, 2 * i, generator=g), torch.randn(e, h, generator=g)
+    x = torch.randn(t, h, generator=g)
+    weights, ids = moe.select_experts(torch.randn(t, e, generator=g), top, "topk_softmax")
+    act = lambda y: fused_ref.swiglu_oai(y, 1.702, 7.0)  # noqa: E731
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1, SWAP=True)
+    out = grouped.moe_forward(
+        x, weights, ids, w13=w13, w2=w2, w13_bias=b13, w2_bias=b2, activation=act, config=cfg
+    )
+    ref = moe.experts_forward_cpu(
+        x.double(), weights.double(), ids, num_experts=e,
+        expert_weights=lambda ex: (d13[ex].double(), d2[ex].double()),
+        activation=act, w13_bias=b13.double(), w2_bias=b2.double(),
+    )  # fmt: skip
+    check("moe_forward mxfp4 (swiglu, biases)", rel(out, ref), 1e-5)
+    wl, dl = experts(1, 48, 64, g, True)
+    xl, bl = torch.randn(3, 5, 64, generator=g), torch.randn(48, generator=g)
+    lin = grouped.linear(xl, grouped.Mxfp4Weights(wl.blocks[0], wl.scales[0]), bl)
+    check("dense mxfp4 linear", rel(lin, xl.double() @ dl[0].double().T + bl.double()), 1e-5)
+    from quantfw.kernels.fused import triton_ops
+
+    y = torch.randn(6, 2 * 80, generator=g) * 6  # beyond the clamp limit too
+    for limit in (7.0, None):
+        ref = fused_ref.swiglu_oai(y, 1.702, limit)
+        check(f"swiglu_oai limit={limit}", rel(triton_ops.swiglu_oai(y, 1.702, limit), ref), 1e-6)
+
+
+def align() -> None:
+    from quantfw.kernels.mxfp4.triton import sort as fused
+
+    g = torch.Generator().manual_seed(2)
+    for t, top, e, bm in ((1, 4, 32, 16), (9, 2, 6, 16), (40, 4, 32, 16), (33, 2, 8, 4)):
+        ids = torch.stack([torch.randperm(e, generator=g)[:top] for _ in range(t)])
+        ids[0, 0] = e - 1
+        sort, plan = fused.align(ids, e, bm)
+        ref = moe.sort_by_expert(ids, e)
+        ref_plan = moe.block_schedule(ref.m_indptr, t * top, bm)
+        same = all(
+            torch.equal(getattr(sort, f), getattr(ref, f))
+            for f in ("token_index", "expert_of_row", "inverse", "m_indptr")
+        ) and torch.equal(plan.block_expert, ref_plan.block_expert)
+        real = ref_plan.block_expert < e
+        same = same and torch.equal(plan.block_row[real], ref_plan.block_row[real])
+        check(f"align t={t} k={top} E={e} block_m={bm}", 0.0 if same else 1.0, 0.0)
+        rows = torch.randn(t * top, 48, generator=g)
+        w = torch.rand(t, top, generator=g)
+        check(
+            f"combine t={t} k={top}",
+            rel(fused.combine(rows, sort, w), moe.combine(rows, ref, w)),
+            1e-6,
+        )
+
+
+if __name__ == "__main__":
+    align()
+    decode()
+    grouped_gemm()
+    pipeline()
+    sys.exit(1 if FAILED else 0)

@@ -1,0 +1,127 @@
+"""Tiny random GPT-OSS and Qwen3-MoE checkpoints built with transformers, their MXFP4 exports,
+and transformers references with the MXFP4-rounded weights (no hub access)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+import torch
+from tiny_checkpoint import hf_greedy  # noqa: F401 (re-exported for the MoE tests)
+
+VOCAB = 300
+#: GPT-OSS: 3 layers (sliding, full, sliding) with an 8-token window; I = 96 = 3 scale blocks,
+#: so TP=2 pads each rank to 2 blocks (rank 1 holds one real block and one of zeros)
+GPT_OSS = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_local_experts=6,
+    num_experts_per_tok=2,
+    sliding_window=8,
+    max_position_embeddings=256,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 2.0,
+        "original_max_position_embeddings": 128,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+    },
+    initializer_range=0.15,
+    eos_token_id=None,  # greedy runs the full length in transformers and the engine
+    tie_word_embeddings=False,
+)
+#: Qwen3-MoE: layer 1 keeps a dense MLP (mlp_only_layers)
+QWEN3_MOE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    mlp_only_layers=[1],
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    max_position_embeddings=256,
+    initializer_range=0.15,
+    eos_token_id=None,  # greedy runs the full length in transformers and the engine
+    tie_word_embeddings=False,
+)
+FAMILIES = {"gpt_oss": GPT_OSS, "qwen3_moe": QWEN3_MOE}
+
+
+def build_hf(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(family, **{**FAMILIES[family], **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # transformers zero-initialises the expert biases: make them count
+        for name, p in model.named_parameters():
+            if name.endswith(("_proj_bias", "router.bias")):
+                p.normal_(0, 0.1)
+    return model
+
+
+def save(model: torch.nn.Module, path: str) -> str:
+    model.save_pretrained(path)
+    return path
+
+
+def export_mxfp4(dense: str, out: str, *, experts_only: bool) -> str:
+    from quantfw.exporter import quantize_checkpoint
+
+    return quantize_checkpoint(dense, out, method="mxfp4", experts_only=experts_only)
+
+
+def rounded_reference(dense: str, mxfp4_dir: str) -> torch.nn.Module:
+    """transformers' model of the dense checkpoint with every tensor the MXFP4 export
+    quantized replaced by its dequantization (decoded with transformers' own MXFP4 code)."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    model = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
+    params = dict(model.named_parameters())
+    loaded = 0
+    for file in sorted(glob.glob(os.path.join(mxfp4_dir, "*.safetensors"))):
+        with safe_open(file, "pt") as f:
+            for name in [n for n in f.keys() if n.endswith("_blocks")]:  # noqa: SIM118
+                base = name[: -len("_blocks")]
+                blocks, scales = f.get_tensor(name), f.get_tensor(base + "_scales")
+                if base.endswith(".weight"):  # a linear layer [O, I]: experts of one
+                    value = convert_moe_packed_tensors(
+                        blocks[None], scales[None], dtype=torch.float32
+                    )[0].t()
+                else:  # GPT-OSS experts: transformers returns their [E, in, out] layout
+                    value = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+                with torch.no_grad():
+                    _param_view(params, base).copy_(value)
+                loaded += 1
+    assert loaded, f"{mxfp4_dir} holds no MXFP4 tensors"
+    return model
+
+
+def _param_view(params: dict, name: str) -> torch.Tensor:
+    """The parameter (or slice of one) a checkpoint name holds; transformers 5 fuses Qwen3-MoE's
+    per-expert tensors into ``experts.gate_up_proj [E, 2I, H]`` and ``experts.down_proj``."""
+    if name in params:
+        return params[name]
+    match = re.match(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$", name)
+    assert match, f"no parameter for {name}"
+    head, e, proj = match.group(1), int(match.group(2)), match.group(3)
+    if proj == "down":
+        return params[f"{head}.down_proj"][e]
+    fused = params[f"{head}.gate_up_proj"][e]
+    half = fused.shape[0] // 2
+    return fused[:half] if proj == "gate" else fused[half:]

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from quantfw.exporter.int4 import QUANTIZED_LINEARS
+from quantfw.exporter.checkpoint import QUANTIZED_LINEARS
 from quantfw.kernels import mxfp4
 
 #: GPT-OSS's fused expert tensors, stored [E, in, out]

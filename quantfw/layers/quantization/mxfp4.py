@@ -29,12 +29,12 @@ from torch import nn
 from quantfw.kernels import moe, mxfp4
 from quantfw.kernels.mxfp4 import grouped
 from quantfw.layers.moe.base import FusedMoEMethodBase, create_expert_biases, moe_param
-from quantfw.layers.quantization import int4
 from quantfw.layers.quantization.base import (
     LinearMethodBase,
     QuantizationConfig,
     QuantizeMethodBase,
     UnquantizedLinearMethod,
+    check_divisible,
     replace_with_buffers,
 )
 from quantfw.layers.sharding import set_weight_attrs
@@ -84,7 +84,7 @@ class Mxfp4Config(QuantizationConfig):
 
 
 def _check_blocks(layer: nn.Module, what: str, size: int) -> None:
-    int4.check_divisible(
+    check_divisible(
         layer, what, size, mxfp4.BLOCK_SIZE, "MXFP4 shares one scale per 32 inputs and a shard "
         "(or the checkpoint's block layout) would split a block"
     )  # fmt: skip

@@ -11,7 +11,8 @@ import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 
-import triton.runtime.interpreter as _interpreter  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "support"))
+from script_checks import patch_interpreter_scalar_index  # noqa: E402
 
 from quantfw.kernels.common import splitk  # noqa: E402
 from quantfw.kernels.kbit import format as kfmt  # noqa: E402
@@ -30,21 +31,8 @@ def check(cond: bool, what: str) -> None:
         sys.exit(1)
 
 
-def _scalar_index_for_numpy_2() -> None:
-    """Triton 3.6's interpreter holds a runtime scalar as a 1-element array and reads it with
-    ``int(array)``, which numpy >= 2.4 refuses (``range(runtime_int)`` in a kernel fails); make
-    the patched ``tl.tensor.__index__`` read the element instead."""
-    original = _interpreter._patch_lang_tensor
-
-    def patched(tensor, scope) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    _interpreter._patch_lang_tensor = patched
-
-
 def main() -> None:
-    _scalar_index_for_numpy_2()
+    patch_interpreter_scalar_index()
     gen = torch.Generator().manual_seed(0)
     cases = [(2, 200, 320), (3, 128, 256), (4, 136, 192), (5, 64, 448)]  # bits, N, K
     for bits, N, K in cases:

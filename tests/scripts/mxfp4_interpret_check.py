@@ -10,7 +10,7 @@ import sys
 import torch
 import triton
 import triton.language as tl
-from script_checks import FAILED, check, rel
+from script_checks import FAILED, check, patch_interpreter_scalar_index, rel
 
 from quantfw.kernels import moe, mxfp4
 from quantfw.kernels.fused import reference as fused_ref
@@ -135,6 +135,7 @@ def align() -> None:
 
 
 if __name__ == "__main__":
+    patch_interpreter_scalar_index()
     align()
     decode()
     grouped_gemm()

@@ -7,7 +7,7 @@ import sys
 
 import torch
 from paged_case import make_case
-from script_checks import FAILED, check, rel
+from script_checks import FAILED, check, patch_interpreter_scalar_index, rel
 
 from quantfw.kernels.attention import triton_paged
 from quantfw.kernels.fused import reference, triton_ops
@@ -103,6 +103,7 @@ def fused() -> None:
 
 
 if __name__ == "__main__":
+    patch_interpreter_scalar_index()
     attention()
     fused()
     sys.exit(1 if FAILED else 0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -300,36 +301,40 @@ class LLMEngine:
             sampled = sample(logits, to_sample)  # one batched pass (one host sync)
         except Exception:
             sampled = None  # a request's sampling raised: go row by row to fail only that one
-        touched: dict[str, _Request] = {}
-        for i, (row, seq) in enumerate(zip(logits, to_sample)):
-            req = self.requests.get(seq.request_id)
-            if seq.finished:  # a sibling of this sequence failed earlier in this loop
-                continue
-            try:
-                token, lp = sampled[i] if sampled is not None else sample(row[None], [seq])[0]
-                self._append(seq, token, lp)
-            except Exception as e:  # this request's own fault: fail it alone, the others go on
-                if req is None:
-                    raise
-                self._fail(req, e)
-            if req is not None:
-                touched[req.request_id] = req
-        return self._outputs(touched)
+
+        def sample_row(i: int, seq: Sequence) -> None:
+            token, lp = sampled[i] if sampled is not None else sample(logits[i][None], [seq])[0]
+            self._append(seq, token, lp)
+
+        return self._advance(to_sample, sample_row)
 
     def _step_window(self, plan: list[tuple[Sequence, int]], batch: Any, window: int):
         """Run `window` greedy decode steps on the GPU, then append each sequence's tokens up
         to the one that finishes it (the rest of its window is dropped)."""
         tokens = self.runner.execute(batch, window).tolist()  # [window][B]: one host sync
         self.stats.steps += window
+
+        def append_window(b: int, seq: Sequence) -> None:
+            for j in range(window):
+                if seq.finished:
+                    break
+                seq.num_computed += 1
+                self._append(seq, tokens[j][b], None)
+
+        return self._advance([seq for seq, _ in plan], append_window)
+
+    def _advance(
+        self, seqs: list[Sequence], advance: Callable[[int, Sequence], None]
+    ) -> list[RequestOutput]:
+        """``advance(i, seq)`` for each sequence of the step; a request whose sequence raises is
+        failed alone (its sequences finish with reason "error"), the others go on."""
         touched: dict[str, _Request] = {}
-        for b, (seq, _) in enumerate(plan):
+        for i, seq in enumerate(seqs):
             req = self.requests.get(seq.request_id)
+            if seq.finished:  # a sibling of this sequence failed earlier in this loop
+                continue
             try:
-                for j in range(window):
-                    if seq.finished:
-                        break
-                    seq.num_computed += 1
-                    self._append(seq, tokens[j][b], None)
+                advance(i, seq)
             except Exception as e:  # this request's own fault: fail it alone, the others go on
                 if req is None:
                     raise

@@ -76,14 +76,21 @@ class LLM:
         prompts = _normalize_prompts(prompts)
         if not qdist.is_tp_leader():
             self.engine.runner.worker_loop()
-            return qdist.broadcast_object(None)  # type: ignore[return-value]
+            result = qdist.broadcast_object(None)
+            if isinstance(result, Exception):  # the leader's error, raised on every rank
+                raise result
+            return result  # type: ignore[return-value]
         try:
-            outputs = self._run(prompts, sampling_params, use_tqdm)
+            result = self._run(prompts, sampling_params, use_tqdm)
+        except Exception as e:
+            result = e
         finally:
             self.engine.runner.stop_workers()
         if qdist.get_tp_size() > 1:
-            qdist.broadcast_object(outputs)
-        return outputs
+            qdist.broadcast_object(result)
+        if isinstance(result, Exception):
+            raise result
+        return result
 
     def _run(
         self,
@@ -115,6 +122,12 @@ class LLM:
                     done[out.request_id] = out
                     bar.update(1)
         bar.close()
+        failed = [done[i] for i in ids if done[i].error]
+        if failed:
+            raise RuntimeError(
+                f"{len(failed)} of {len(ids)} requests failed; the first, "
+                f"{failed[0].request_id!r}: {failed[0].error}"
+            )
         return [done[i] for i in ids]
 
     def chat(

@@ -85,3 +85,18 @@ def test_awq_greedy_matches_cache_free(tiny_llama, tmp_path):
     llm = LLM(awq, dtype="float32", max_num_seqs=2, max_num_batched_tokens=8)
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == _reference_greedy(awq, PROMPTS, MAX_NEW)
+
+
+def test_generate_raises_when_a_request_fails(tiny_llama, monkeypatch):
+    """A request that fails inside the engine (here: its sampling raises) is an error of
+    `LLM.generate`, naming the request, not an output that looks finished."""
+    from quantfw.engine import engine as engine_module
+
+    llm = LLM(tiny_llama, max_num_seqs=2)
+
+    def broken(*args, **kwargs):
+        raise ValueError("sampling broke")
+
+    monkeypatch.setattr(engine_module, "sample", broken)
+    with pytest.raises(RuntimeError, match="1 of 1 requests failed.*sampling broke"):
+        llm.generate([PROMPTS[0]], GREEDY)

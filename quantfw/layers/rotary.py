@@ -112,7 +112,8 @@ class RotaryEmbedding(nn.Module):
     """Rotate-half (GPT-NeoX style) rotary embedding of the first `rotary_dim` features of q and
     k. `cos_sin(positions)` gives each position's cos and sin (float32) from a table grown on
     demand (recomputed per call for the dynamic type, whose frequencies depend on the length);
-    `apply` rotates (and optionally RMS-normalizes per head) through the fused kernels."""
+    `args` packs them for `Attention(..., rope=...)`, which rotates q and k (and optionally
+    RMS-normalizes them per head) through the fused kernels."""
 
     def __init__(self, head_dim: int, max_position_embeddings: int, params: dict[str, Any]):
         super().__init__()
@@ -180,18 +181,6 @@ class RotaryEmbedding(nn.Module):
             k_norm.weight if k_norm is not None else None,
             q_norm.eps if q_norm is not None else 0.0,
         )
-
-    def apply(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        cos_sin: torch.Tensor,
-        q_norm: RMSNorm | None = None,
-        k_norm: RMSNorm | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [..., heads, head_dim] and k [..., kv_heads, head_dim] (after per-head
-        RMSNorm when `q_norm`/`k_norm` are given); may work in place."""
-        return self.args(cos_sin, q_norm, k_norm).apply(q, k)
 
 
 def get_rope(head_dim: int, hf_config: Any) -> RotaryEmbedding:

@@ -119,11 +119,11 @@ class LlamaAttention(nn.Module):
         q = q.view(b, s, self.num_heads, self.head_dim)
         k = k.view(b, s, self.num_kv_heads, self.head_dim)
         v = v.view(b, s, self.num_kv_heads, self.head_dim)
-        rope = rotary.args(cos_sin, self.q_norm, self.k_norm)
         if attn_meta is None:
+            rope = rotary.args(cos_sin, self.q_norm, self.k_norm)
             return self.o_proj(self.attn(q, k, v, rope=rope))
         # cache-aware: one flat batch of tokens (b == 1)
-        rope.cos_sin = cos_sin[0]
+        rope = rotary.args(cos_sin[0], self.q_norm, self.k_norm)
         return self.o_proj(self.attn(q[0], k[0], v[0], attn_meta, rope).unsqueeze(0))
 
 

@@ -24,8 +24,8 @@ from quantfw.engine.sampler import plain_greedy, sample
 from quantfw.engine.sampling_params import SamplingParams
 from quantfw.engine.scheduler import Scheduler
 from quantfw.engine.sequence import CompletionOutput, RequestOutput, Sequence
+from quantfw.kernels.common import triton_available
 from quantfw.layers.attention import FlashInferBackend, select_backend
-from quantfw.layers.attention.selector import triton_available
 from quantfw.layers.rotary import RotaryEmbedding
 
 

@@ -10,22 +10,12 @@ transformers rounds, except rotary, which rounds once instead of after every pro
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from quantfw.kernels.common import triton_available
 from quantfw.kernels.fused import reference
 
 __all__ = ["rms_norm", "silu_and_mul", "swiglu_oai", "qk_norm_rope", "store_kv", "triton_available"]
-
-
-@functools.cache
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _use_triton(x: torch.Tensor) -> bool:

@@ -13,6 +13,7 @@ import functools
 
 import torch
 
+from quantfw.kernels.common import triton_available
 from quantfw.kernels.kbit import layout
 from quantfw.kernels.kbit.layout import KbitWeight, dequantize_weight
 
@@ -22,11 +23,7 @@ def triton_serves(device: torch.device) -> bool:
     """Whether the Triton kbit kernels can run on `device` (CUDA sm80+ with Triton)."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
         return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return triton_available()
 
 
 def repack_weight(

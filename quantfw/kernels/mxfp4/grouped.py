@@ -12,12 +12,12 @@ Weights are [E, N, K] (N outputs, K inputs): `DenseWeights` in the activation dt
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from quantfw.kernels.common import triton_available
 from quantfw.kernels.moe.sort import block_schedule, combine, single_group, sort_by_expert
 
 
@@ -45,21 +45,12 @@ class Mxfp4Weights:
 ExpertWeights = DenseWeights | Mxfp4Weights
 
 
-@functools.cache
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def gpu_available(x: torch.Tensor) -> bool:
     """Whether the Triton grouped GEMMs serve activations `x`: a CUDA tensor (fp16/bf16; fp32
     runs full-precision dots, for checks) on compute capability >= 8.0 with Triton installed."""
     if not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return False
-    return torch.cuda.get_device_capability(x.device) >= (8, 0) and _triton_available()
+    return torch.cuda.get_device_capability(x.device) >= (8, 0) and triton_available()
 
 
 def moe_forward(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from quantfw.kernels.common import triton_available
 from quantfw.layers.attention.backends.base import AttentionBackend
 from quantfw.layers.attention.backends.flashinfer import (
     FLASHINFER_DTYPES,
@@ -13,14 +14,6 @@ from quantfw.layers.attention.backends.flashinfer import (
 from quantfw.layers.attention.backends.sdpa import SDPABackend
 
 BACKENDS = ("auto", "sdpa", "triton", "flashinfer")
-
-
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def select_backend(

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from quantfw.kernels import torch_ops, w4a16
+from quantfw.kernels.common import triton_available
 from quantfw.layers.quantization.base import replace_with_buffers
 
 
@@ -54,11 +55,7 @@ def w4a16_available(device: torch.device, dtype: torch.dtype) -> bool:
         return False
     if torch.cuda.get_device_capability(device) < (8, 0):
         return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return triton_available()
 
 
 def attach_w4a16(layer: nn.Module, packed: w4a16.PackedW4, drop: tuple[str, ...]) -> None:

@@ -42,19 +42,37 @@ from quantfw.kernels.mxfp4.triton import grouped_gemm
 
 E, TOP_K, H, INTER = 32, 4, 2880, 2880
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-SWEEP = [
-    dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3, SWAP=swap)
-    for bm, bn, bk, w, swap in itertools.product(
-        (16, 64, 128), (64, 128), (64, 128, 256), (4, 8), (True, False)
+GEMV_SWEEP = [
+    dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3, GEMV=True, LUT=lut)
+    for bn, bk, w, lut in itertools.product((8, 16, 32), (128, 256, 512), (2, 4), (True, False))
+    if bn * bk <= 8192
+]
+DECODE_SWEEP = [
+    dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=3, SWAP=True, DOT_SCALED=ds)
+    for bn, bk, ds in itertools.product((32, 64, 128), (128, 256), (True, False))
+    if bn * bk <= 16384
+]
+PREFILL_SWEEP = [
+    dict(BLOCK_M=bm, BLOCK_N=128, BLOCK_K=bk, num_warps=8, num_stages=3, **kind)
+    for bm, bk, kind in itertools.product(
+        (64, 128),
+        (64, 128),
+        ({}, {"SWAP": True}, {"SWAP": True, "DOT_SCALED": True}, {"DEQUANT": True}),
     )
-    if bm * bk <= 16384 and bn * bk <= 16384
 ]
 
 
-def sweep_for(rows_per_expert: float) -> list[dict]:
-    """The SWEEP configs whose BLOCK_M suits `rows_per_expert` (at most the next size up)."""
-    fit = min((bm for bm in (16, 64, 128) if bm >= rows_per_expert), default=128)
-    return [c for c in SWEEP if c["BLOCK_M"] <= fit]
+def sweep_for(rows_per_expert: float, quantized: bool) -> list[dict]:
+    """The configs worth timing for `rows_per_expert` (GEMV, DOT_SCALED and DEQUANT only for
+    MXFP4 weights)."""
+    if rows_per_expert <= 2:
+        grid = GEMV_SWEEP + DECODE_SWEEP
+    elif rows_per_expert <= 16:
+        grid = DECODE_SWEEP
+    else:
+        grid = PREFILL_SWEEP
+    special = ("GEMV", "DOT_SCALED", "DEQUANT")
+    return [c for c in grid if quantized or not any(c.get(f) for f in special)]
 
 
 def copy_bandwidth() -> float:
@@ -135,7 +153,7 @@ def bench_tokens(t: int, dtype, copies, dense, bw: float, sweep: bool) -> dict:
     if sweep:
         for name, sets in (("mxfp4", [(*c[0], c[1], c[2]) for c in copies]), ("bf16", dense)):
             best = _best_config(
-                sweep_for(t * TOP_K / min(E, t * TOP_K)),
+                sweep_for(t * TOP_K / min(E, t * TOP_K), name == "mxfp4"),
                 lambda cfg, sets=sets: [_layer(x, weights, ids, *w, config=cfg) for w in sets],
                 err,
                 est,
@@ -180,7 +198,7 @@ def layer_bench(args) -> dict:
     ]
     rows = []
     for t in args.tokens:
-        rows.append(bench_tokens(t, dtype, copies, dense, bw, args.sweep))
+        rows.append(bench_tokens(t, dtype, copies, dense, bw, t in args.sweep_tokens))
         print(json.dumps(rows[-1]), flush=True)
     return {"bandwidth_GBps": round(bw / 1e9, 1), "rows": rows}
 
@@ -261,12 +279,17 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--sweep", action="store_true", help="also time a grid of kernel configs")
+    ap.add_argument(
+        "--sweep-tokens", default=None, help="token counts to sweep (default: all of --tokens)"
+    )
     ap.add_argument("--e2e", action="store_true", help="GPT-OSS-20B through the engine instead")
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=1024)
     args = ap.parse_args()
     args.tokens = [int(t) for t in args.tokens.split(",")]
+    picked = args.sweep_tokens.split(",") if args.sweep_tokens else args.tokens
+    args.sweep_tokens = {int(t) for t in picked} if args.sweep else set()
     report = {
         "device": torch.cuda.get_device_name(),
         "date": datetime.date.today().isoformat(),

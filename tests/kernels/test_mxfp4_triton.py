@@ -103,6 +103,18 @@ def test_gpu_moe_matches_reference(dtype, quantized, i):
         dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
         dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
         dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2, SWAP=True),
+        dict(
+            BLOCK_M=16,
+            BLOCK_N=64,
+            BLOCK_K=128,
+            num_warps=4,
+            num_stages=3,
+            SWAP=True,
+            DOT_SCALED=True,
+        ),
+        dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3, GEMV=True),
+        dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=256, num_warps=2, num_stages=4, GEMV=True, LUT=False),
+        dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, DEQUANT=True),
     ],
 )
 def test_gpu_configs_agree(config):

@@ -30,6 +30,18 @@ def _decode_kernel(packed_ptr, scale_ptr, out_ptr, N: tl.constexpr):
     tl.store(out_ptr + row * 2 * N + 2 * j + 1, gg._e2m1_times_two(p >> 4) * f)
 
 
+def dequantize() -> None:
+    from quantfw.kernels.mxfp4.triton import gemv
+
+    g = torch.Generator().manual_seed(3)
+    for k in (96, 128):  # K a multiple of 32 only, and of 64
+        blocks, scales = mxfp4.quantize(torch.randn(2, 24, k, generator=g))
+        scales[0, 0, 0], scales[1, -1, -1] = 1, 140
+        got = gemv.dequantize(blocks, scales, torch.float32)
+        same = torch.equal(got, mxfp4.dequantize(blocks, scales, torch.float32))
+        check(f"expert dequantize kernel K={k}, bitwise", 0.0 if same else 1.0, 0.0)
+
+
 def decode() -> None:
     packed = torch.arange(256, dtype=torch.uint8).repeat(256, 1)  # every byte, every scale
     scales = torch.arange(256, dtype=torch.uint8)
@@ -59,7 +71,11 @@ def grouped_gemm() -> None:
         for cfg in (
             dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1),
             dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=1, SWAP=True),
+            dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=1, GEMV=True),
+            dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1, GEMV=True, LUT=False),
         ):
+            if cfg.get("GEMV") and not quantized:
+                continue
             w, dense = experts(e, n, k, g, quantized)
             x = torch.randn(t, k, generator=g)
             ids = torch.randint(0, e - 1, (t, top), generator=g)  # expert e-1 gets no rows
@@ -74,6 +90,8 @@ def grouped_gemm() -> None:
             )  # fmt: skip
             tag = f"{'mxfp4' if quantized else 'dense'} BN={cfg['BLOCK_N']} BK={cfg['BLOCK_K']}"
             tag += " swap" if cfg.get("SWAP") else ""
+            tag += " gemv" if cfg.get("GEMV") else ""
+            tag += " (int decode)" if cfg.get("LUT") is False else ""
             check(f"grouped_gemm {tag}", rel(out, ref), 1e-5)
 
 
@@ -86,16 +104,21 @@ def pipeline() -> None:
     x = torch.randn(t, h, generator=g)
     weights, ids = moe.select_experts(torch.randn(t, e, generator=g), top, "topk_softmax")
     act = lambda y: fused_ref.swiglu_oai(y, 1.702, 7.0)  # noqa: E731
-    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1, SWAP=True)
-    out = grouped.moe_forward(
-        x, weights, ids, w13=w13, w2=w2, w13_bias=b13, w2_bias=b2, activation=act, config=cfg
-    )
     ref = moe.experts_forward_cpu(
         x.double(), weights.double(), ids, num_experts=e,
         expert_weights=lambda ex: (d13[ex].double(), d2[ex].double()),
         activation=act, w13_bias=b13.double(), w2_bias=b2.double(),
     )  # fmt: skip
-    check("moe_forward mxfp4 (swiglu, biases)", rel(out, ref), 1e-5)
+    for name, cfg in (
+        ("mma", dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1, SWAP=True)),
+        ("gemv", dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1, GEMV=True)),
+        ("dequant", dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=4, num_stages=1,
+                         DEQUANT=True)),
+    ):  # fmt: skip
+        out = grouped.moe_forward(
+            x, weights, ids, w13=w13, w2=w2, w13_bias=b13, w2_bias=b2, activation=act, config=cfg
+        )
+        check(f"moe_forward mxfp4 {name} (swiglu, biases)", rel(out, ref), 1e-5)
     wl, dl = experts(1, 48, 64, g, True)
     xl, bl = torch.randn(3, 5, 64, generator=g), torch.randn(48, generator=g)
     lin = grouped.linear(xl, grouped.Mxfp4Weights(wl.blocks[0], wl.scales[0]), bl)
@@ -138,6 +161,7 @@ if __name__ == "__main__":
     patch_interpreter_scalar_index()
     align()
     decode()
+    dequantize()
     grouped_gemm()
     pipeline()
     sys.exit(1 if FAILED else 0)

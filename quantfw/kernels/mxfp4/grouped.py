@@ -72,7 +72,10 @@ def moe_forward(
 
     num_experts = w13.shape[0]
     rows = topk_ids.numel()
-    cfg = config or grouped_gemm.default_config(rows, num_experts, w13.shape[1], w13.shape[2])
+    mx = isinstance(w13, Mxfp4Weights)
+    cfg = config or grouped_gemm.default_config(rows, num_experts, *w13.shape[1:], mxfp4=mx)
+    if cfg.get("DEQUANT") and mx:  # prefill: dense tensor-core GEMMs over dequantized experts
+        w13, w2 = dequantize_dense(w13, x.dtype), dequantize_dense(w2, x.dtype)
     small = fused.align_fits(rows, num_experts)  # decode: one launch each for sort and combine
     if small:
         sort, plan = fused.align(topk_ids, num_experts, cfg["BLOCK_M"])
@@ -84,6 +87,15 @@ def moe_forward(
     return fused.combine(y, sort, topk_weights) if small else combine(y, sort, topk_weights)
 
 
+def dequantize_dense(w: ExpertWeights, dtype: torch.dtype) -> DenseWeights:
+    """`w` as `DenseWeights` in `dtype` (MXFP4 weights decoded on the GPU)."""
+    if isinstance(w, DenseWeights):
+        return w
+    from quantfw.kernels.mxfp4.triton.gemv import dequantize
+
+    return DenseWeights(dequantize(w.blocks, w.scales, dtype))
+
+
 def linear(x: torch.Tensor, w: Mxfp4Weights, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] @ W.T (+ bias) for one MXFP4 matrix W [N, K]."""
     from quantfw.kernels.mxfp4.triton import grouped_gemm
@@ -92,6 +104,9 @@ def linear(x: torch.Tensor, w: Mxfp4Weights, bias: torch.Tensor | None) -> torch
     _, n, k = w.shape
     weights = Mxfp4Weights(w.blocks.unsqueeze(0), w.scales.unsqueeze(0))
     cfg = grouped_gemm.default_config(x2.shape[0], 1, n, k)
+    if cfg.get("DEQUANT"):
+        d = dequantize_dense(w, x.dtype).weight
+        return torch.nn.functional.linear(x, d, bias)
     plan = single_group(x2.shape[0], cfg["BLOCK_M"], x.device)
     b = None if bias is None else bias.unsqueeze(0)
     return grouped_gemm.grouped_gemm(x2, weights, plan, bias=b, config=cfg).view(*x.shape[:-1], n)

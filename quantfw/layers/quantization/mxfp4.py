@@ -45,7 +45,9 @@ DUMMY_SCALE_RANGE = (118, 122)
 
 def _dummy_scales(param: torch.Tensor, generator: torch.Generator) -> None:
     low, high = DUMMY_SCALE_RANGE
-    values = torch.randint(low, high, param.shape, generator=generator, dtype=torch.int64)
+    values = torch.randint(
+        low, high, param.shape, generator=generator, dtype=torch.int64, device=generator.device
+    )
     param.data.copy_(values.to(param.dtype))
 
 

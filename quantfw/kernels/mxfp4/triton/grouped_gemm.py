@@ -43,6 +43,31 @@ def _ue8m0_half(s):
 
 
 @triton.jit
+def _decode_tile(packed, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """float32 [BLOCK_N, BLOCK_K] weights from packed bytes [BLOCK_N, BLOCK_K / 2] and their
+    UE8M0 bytes [BLOCK_N, BLOCK_K / 32]: the low and high nibble of byte j are joined as k = 2j
+    and 2j + 1, and each run of 32 k shares one scale (broadcast in registers)."""
+    p = packed.to(tl.int32)
+    w = tl.join(_e2m1_times_two(p & 15), _e2m1_times_two(p >> 4))  # [BN, BK / 2, 2]
+    w = tl.reshape(w, [BLOCK_N, BLOCK_K // 32, 32]) * _ue8m0_half(s.to(tl.int32))[:, :, None]
+    return tl.reshape(w, [BLOCK_N, BLOCK_K])
+
+
+@triton.jit
+def _dot_scaled(acc, a, packed, s):
+    """acc [BLOCK_N, BLOCK_M] + W @ a.T through ``tl.dot_scaled``, the weight tile (E2M1 packed
+    along K, low nibble first, as the checkpoint stores it) as the scaled left operand: Triton
+    decodes it and applies the UE8M0 scales itself. (The unswapped form, with the weights as the
+    right operand, gave wrong results on sm_90 with Triton 3.6.)"""
+    fp4: tl.constexpr = tl.constexpr("e2m1")
+    if a.dtype == tl.float16:
+        fmt: tl.constexpr = tl.constexpr("fp16")
+    else:
+        fmt: tl.constexpr = tl.constexpr("bf16")
+    return tl.dot_scaled(packed, s, fp4, tl.trans(a), None, fmt, acc)
+
+
+@triton.jit
 def _mma(acc, a, w, SWAP: tl.constexpr, IEEE: tl.constexpr):
     """acc + a @ w.T ([BLOCK_M, BLOCK_N]), or with SWAP acc + w @ a.T ([BLOCK_N, BLOCK_M]): the
     weight tile, decoded in registers, is then the MMA's first operand (Hopper's wgmma reads it
@@ -84,6 +109,7 @@ def _grouped_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     IEEE: tl.constexpr,
     SWAP: tl.constexpr,
+    DOT_SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -111,33 +137,30 @@ def _grouped_gemm_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if MXFP4:
         HALF: tl.constexpr = BLOCK_K // 2
+        GROUPS: tl.constexpr = BLOCK_K // 32
+        offs_k = tl.arange(0, BLOCK_K)
         j = tl.arange(0, HALF)
+        g = tl.arange(0, GROUPS)
         w_rows = w_ptr + e * stride_we + offs_n[:, None] * stride_wn
         s_rows = s_ptr + e * stride_se + offs_n[:, None] * stride_sn
         for k0 in range(0, K, BLOCK_K):
-            k_even = k0 + 2 * j
-            k_mask = k_even < K
-            a_even = tl.load(
-                a_rows + k_even[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0
-            )
-            a_odd = tl.load(
-                a_rows + k_even[None, :] + 1, mask=row_mask[:, None] & k_mask[None, :], other=0.0
-            )
+            k = k0 + offs_k
+            a = tl.load(a_rows + k[None, :], mask=row_mask[:, None] & (k < K)[None, :], other=0.0)
             packed = tl.load(
-                w_rows + (k0 // 2 + j)[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0
-            ).to(tl.int32)
-            # byte j of the tile belongs to scale group j // 16: each scale byte is loaded by
-            # the 16 lanes that need it (an L1 hit) instead of reshaping the tile
-            s = tl.load(
-                s_rows + (k0 // 32 + j // 16)[None, :],
-                mask=n_mask[:, None] & k_mask[None, :],
+                w_rows + (k0 // 2 + j)[None, :],
+                mask=n_mask[:, None] & (k0 + 2 * j < K)[None, :],
                 other=0,
             )
-            factor = _ue8m0_half(s.to(tl.int32))
-            w_even = (_e2m1_times_two(packed & 15) * factor).to(a_even.dtype)
-            w_odd = (_e2m1_times_two(packed >> 4) * factor).to(a_even.dtype)
-            acc = _mma(acc, a_even, w_even, SWAP, IEEE)
-            acc = _mma(acc, a_odd, w_odd, SWAP, IEEE)
+            s = tl.load(
+                s_rows + (k0 // 32 + g)[None, :],
+                mask=n_mask[:, None] & (k0 + 32 * g < K)[None, :],
+                other=0,
+            )
+            if DOT_SCALED:
+                acc = _dot_scaled(acc, a, packed, s)
+            else:
+                w = _decode_tile(packed, s, BLOCK_N, BLOCK_K).to(a.dtype)
+                acc = _mma(acc, a, w, SWAP, IEEE)
     else:
         offs_k = tl.arange(0, BLOCK_K)
         w_rows = w_ptr + e * stride_we + offs_n[:, None] * stride_wn
@@ -156,37 +179,29 @@ def _grouped_gemm_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
-def default_config(rows: int, num_experts: int, n: int, k: int) -> dict:
+#: rows per expert up to which `default_config` picks the CUDA-core GEMV (decode), and from
+#: which it dequantizes the experts for a dense tensor-core grouped GEMM (prefill)
+GEMV_MAX_ROWS_PER_EXPERT = 1.5
+DEQUANT_MIN_ROWS_PER_EXPERT = 64
+
+
+def default_config(rows: int, num_experts: int, n: int, k: int, mxfp4: bool = True) -> dict:
     """A kernel configuration for `rows` sorted rows over `num_experts` experts of [n, k]
-    (untuned: picked by rows per expert among configs that compile for sm_90 without register
-    spills; `benchmarks/bench_mxfp4.py --sweep` times others)."""
+    (picked by rows per expert from the H200 sweep in benchmarks/results/mxfp4/;
+    `benchmarks/bench_mxfp4.py --sweep` times others). ``GEMV``: `gemv._grouped_gemv_kernel`,
+    one row per block; ``DEQUANT``: MXFP4 experts are dequantized, then the dense kernel runs."""
     per_expert = rows / max(1, min(rows, num_experts))
+    if mxfp4 and per_expert <= GEMV_MAX_ROWS_PER_EXPERT:
+        return {"BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3,
+                "GEMV": True}  # fmt: skip
     if per_expert <= 16:
-        return {
-            "BLOCK_M": 16,
-            "BLOCK_N": 64,
-            "BLOCK_K": 128,
-            "num_warps": 4,
-            "num_stages": 3,
-            "SWAP": True,
-        }
-    if per_expert <= 64:
-        return {
-            "BLOCK_M": 64,
-            "BLOCK_N": 128,
-            "BLOCK_K": 128,
-            "num_warps": 8,
-            "num_stages": 3,
-            "SWAP": True,
-        }
-    return {
-        "BLOCK_M": 128,
-        "BLOCK_N": 128,
-        "BLOCK_K": 64,
-        "num_warps": 8,
-        "num_stages": 3,
-        "SWAP": True,
-    }
+        return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3,
+                "SWAP": True}  # fmt: skip
+    if per_expert < DEQUANT_MIN_ROWS_PER_EXPERT:
+        return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3,
+                "SWAP": True}  # fmt: skip
+    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3,
+            "DEQUANT": mxfp4}  # fmt: skip
 
 
 def grouped_gemm(
@@ -224,6 +239,17 @@ def grouped_gemm(
         w = s = weights.weight
     if w.stride(-1) != 1 or s.stride(-1) != 1:
         raise ValueError("grouped_gemm: weights need a unit stride along K")
+    if config.get("DOT_SCALED") and not config.get("SWAP"):
+        raise ValueError(
+            "grouped_gemm: DOT_SCALED needs SWAP (the weights as the scaled left operand)"
+        )
+    if config.get("GEMV"):
+        if not mx or plan.block_m != 1:
+            raise ValueError("grouped_gemm: GEMV needs MXFP4 weights and a plan of one-row blocks")
+        from quantfw.kernels.mxfp4.triton.gemv import grouped_gemv
+
+        grouped_gemv(a, w, s, plan, bias, gather, out, config)
+        return out
     grid = (plan.num_blocks, triton.cdiv(n, config["BLOCK_N"]))
     _grouped_gemm_kernel[grid](
         a,
@@ -250,6 +276,7 @@ def grouped_gemm(
         HAS_BIAS=bias is not None,
         IEEE=a.dtype == torch.float32,
         SWAP=config.get("SWAP", False),
+        DOT_SCALED=mx and config.get("DOT_SCALED", False) and a.dtype != torch.float32,
         BLOCK_M=config["BLOCK_M"],
         BLOCK_N=config["BLOCK_N"],
         BLOCK_K=config["BLOCK_K"],

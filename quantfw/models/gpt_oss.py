@@ -1,7 +1,8 @@
 """GPT-OSS: a Llama-shaped decoder with attention sinks, sliding-window attention on the layers
-``layer_types`` marks ``sliding_attention``, YaRN rope, biases on q/k/v/o, and MoE MLPs (a
-router with bias: top-k logits then softmax; experts with biases and a clamped SwiGLU whose
-gate and up rows are interleaved in the checkpoint).
+``layer_types`` marks ``sliding_attention``, YaRN rope, biases on q/k/v/o, RMSNorms that scale
+by their weight in float32 before rounding, and MoE MLPs (a router with bias: top-k logits then
+softmax; experts with biases and a clamped SwiGLU whose gate and up rows are interleaved in the
+checkpoint).
 
 Checkpoint experts: ``mlp.experts.gate_up_proj [E, H, 2I]`` and ``down_proj [E, I, H]`` (bf16,
 stored [in, out]) or their MXFP4 form ``gate_up_proj_blocks [E, 2I, H/32, 16]`` +
@@ -64,6 +65,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
         *LlamaForCausalLM.stacked_params_mapping,
         ("self_attn.attn.sinks", "self_attn.sinks", None),
     ]
+    norm_weight_in_float32: ClassVar[bool] = True
 
     @classmethod
     def attention_options(cls, config: Any, layer_index: int) -> dict[str, Any]:

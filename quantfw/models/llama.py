@@ -152,8 +152,8 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = layer_cls.build_mlp(
             config, layer_index, quant_config=quant_config, prefix=_join(prefix, "mlp")
         )
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = layer_cls.build_norm(config)
+        self.post_attention_layernorm = layer_cls.build_norm(config)
 
     def forward(
         self,
@@ -192,7 +192,7 @@ class LlamaModel(nn.Module):
             )
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = layer_cls.build_norm(config)
         self.rotary_emb = get_rope(layer_cls.head_dim(config), config)
 
     def forward(
@@ -234,6 +234,15 @@ class LlamaForCausalLM(nn.Module):
     )
     #: Qwen3-style per-head RMSNorm on q and k before rotary.
     qk_norm: ClassVar[bool] = False
+    #: The decoder's RMSNorms scale by their weight in float32 before rounding (GPT-OSS).
+    norm_weight_in_float32: ClassVar[bool] = False
+
+    @classmethod
+    def build_norm(cls, config: Any) -> RMSNorm:
+        """One of the decoder's hidden-size RMSNorms (per layer and the final one)."""
+        return RMSNorm(
+            config.hidden_size, config.rms_norm_eps, weight_in_float32=cls.norm_weight_in_float32
+        )
 
     @classmethod
     def attention_biases(cls, config: Any) -> tuple[bool, bool]:

@@ -52,9 +52,12 @@ def test_fused_ops_match_reference_on_gpu(dtype):
     def close(a, b):
         return torch.allclose(a.float(), b.float(), rtol=2 * ulp, atol=2 * ulp)
 
-    assert close(triton_ops.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6))
-    (a, ar), (b, br) = triton_ops.rms_norm(x, w, 1e-6, r), reference.rms_norm(x, w, 1e-6, r)
-    assert torch.equal(ar, br) and close(a, b)
+    for f32 in (False, True):
+        kw = dict(weight_in_float32=f32)
+        assert close(triton_ops.rms_norm(x, w, 1e-6, **kw), reference.rms_norm(x, w, 1e-6, **kw))
+        (a, ar) = triton_ops.rms_norm(x, w, 1e-6, r, **kw)
+        (b, br) = reference.rms_norm(x, w, 1e-6, r, **kw)
+        assert torch.equal(ar, br) and close(a, b)
     y = torch.randn(37, 2 * 12288, dtype=dtype, device="cuda")
     assert close(triton_ops.silu_and_mul(y), reference.silu_and_mul(y))
     qkv = torch.randn(37, 48 * 128, dtype=dtype, device="cuda")

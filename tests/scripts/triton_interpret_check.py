@@ -58,13 +58,18 @@ def fused() -> None:
     for dtype, tol in ((torch.float32, 1e-6), (torch.float16, 1e-3)):
         x, r = torch.randn(5, 96, dtype=dtype), torch.randn(5, 96, dtype=dtype)
         w = torch.randn(96, dtype=dtype)
-        check(
-            f"rms_norm {dtype}",
-            rel(triton_ops.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6)),
-            tol,
-        )
-        (a, ar), (b, br) = triton_ops.rms_norm(x, w, 1e-6, r), reference.rms_norm(x, w, 1e-6, r)
-        check(f"add + rms_norm {dtype}", max(rel(a, b), rel(ar, br)), tol)
+        for f32 in (False, True):
+            kw = dict(weight_in_float32=f32)
+            check(
+                f"rms_norm weight_in_float32={f32} {dtype}",
+                rel(triton_ops.rms_norm(x, w, 1e-6, **kw), reference.rms_norm(x, w, 1e-6, **kw)),
+                tol,
+            )
+            (a, ar) = triton_ops.rms_norm(x, w, 1e-6, r, **kw)
+            (b, br) = reference.rms_norm(x, w, 1e-6, r, **kw)
+            check(
+                f"add + rms_norm weight_in_float32={f32} {dtype}", max(rel(a, b), rel(ar, br)), tol
+            )
         y = torch.randn(3, 4, 160, dtype=dtype)
         check(
             f"silu_and_mul {dtype}", rel(triton_ops.silu_and_mul(y), reference.silu_and_mul(y)), tol

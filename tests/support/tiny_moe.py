@@ -3,9 +3,11 @@ and transformers references with the MXFP4-rounded weights (no hub access)."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
+from collections.abc import Callable
 
 import torch
 from tiny_checkpoint import hf_greedy  # noqa: F401 (re-exported for the MoE tests)
@@ -66,10 +68,12 @@ def build_hf(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
     config = AutoConfig.for_model(family, **{**FAMILIES[family], **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():  # transformers zero-initialises the expert biases: make them count
-        for name, p in model.named_parameters():
+    with torch.no_grad():  # transformers zero-initialises the expert biases and sets the norm
+        for name, p in model.named_parameters():  # weights to one: make them count
             if name.endswith(("_proj_bias", "router.bias")):
                 p.normal_(0, 0.1)
+            elif name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
     return model
 
 
@@ -125,3 +129,72 @@ def _param_view(params: dict, name: str) -> torch.Tensor:
     fused = params[f"{head}.gate_up_proj"][e]
     half = fused.shape[0] // 2
     return fused[:half] if proj == "gate" else fused[half:]
+
+
+def record_routing(
+    model: torch.nn.Module,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], Callable[[], None]]:
+    """Hooks on a quantfw model's MoE layers, in layer order per forward: (the list of each
+    layer's expert ids [tokens, k] as the layer itself selects them, the list of its router
+    logits [tokens, E] (float32, CPU), a function that removes the hooks)."""
+    from quantfw.kernels.moe import select_experts
+    from quantfw.layers.moe import FusedMoE
+
+    chosen: list[torch.Tensor] = []
+    logits_seen: list[torch.Tensor] = []
+
+    def hook(layer, args):
+        logits = args[1].reshape(-1, layer.num_experts)
+        _, ids = select_experts(logits, layer.top_k, layer.scoring, layer.renormalize)
+        chosen.append(ids.cpu())
+        logits_seen.append(logits.float().cpu())
+
+    handles = [
+        m.register_forward_pre_hook(hook) for m in model.modules() if isinstance(m, FusedMoE)
+    ]
+    return chosen, logits_seen, lambda: [h.remove() for h in handles]
+
+
+@contextlib.contextmanager
+def gpt_oss_routed_as(reference: torch.nn.Module, chosen: list[torch.Tensor]):
+    """transformers' GPT-OSS `reference` routes every token to the experts in `chosen` (one
+    [tokens, k] per layer, `record_routing`'s list) with weights from its own router logits (the
+    softmax of those experts' logits). Yields the list each layer's ``(router logits [tokens, E],
+    the reference's own top-k ids)`` is appended to, for `near_tie_gap`."""
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def hook(router, args, out):
+        assert isinstance(out, tuple) and len(out) == 3, (
+            "GPT-OSS router output should be (logits, top-k scores, top-k ids); got "
+            f"{type(out).__name__} of {len(out) if isinstance(out, tuple) else 1}"
+        )
+        logits, _, own_ids = out
+        ids = chosen[len(seen)].to(logits.device)
+        assert ids.shape == own_ids.shape, (ids.shape, own_ids.shape)
+        seen.append((logits.detach().float().cpu(), own_ids.cpu()))
+        scores = torch.softmax(logits.gather(-1, ids), dim=-1, dtype=logits.dtype)
+        return logits, scores, ids
+
+    handles = [layer.mlp.router.register_forward_hook(hook) for layer in reference.model.layers]
+    try:
+        yield seen
+    finally:
+        for h in handles:
+            h.remove()
+    assert len(seen) == len(chosen), f"the reference ran {len(seen)} MoE layers, {len(chosen)}"
+
+
+def near_tie_gap(seen: list[tuple[torch.Tensor, torch.Tensor]], chosen: list[torch.Tensor]):
+    """The worst routing disagreement, relative to the layer's largest |logit|: over layers and
+    tokens, how far below the reference's k-th largest logit the lowest of the experts `chosen`
+    instead lies (0 where both pick the same set). A near-tie flip gives a tiny gap; choosing
+    the wrong experts gives a large one. Returns (gap, [(layer, token)] of the flips)."""
+    worst, flips = 0.0, []
+    for layer, ((logits, own), ids) in enumerate(zip(seen, chosen, strict=True)):
+        kth = logits.gather(-1, own).min(-1).values
+        lowest_chosen = logits.gather(-1, ids).min(-1).values
+        gap = (kth - lowest_chosen).clamp(min=0) / logits.abs().max()
+        worst = max(worst, gap.max().item())
+        differs = (own.sort(-1).values != ids.sort(-1).values).any(-1)
+        flips += [(layer, t) for t in differs.nonzero().flatten().tolist()]
+    return worst, flips

@@ -23,15 +23,22 @@ def _use_triton(x: torch.Tensor) -> bool:
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    *,
+    weight_in_float32: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm over the last dim. With `residual`: ``h = x + residual`` (rounded to x's dtype)
-    is normalized and ``(norm(h), h)`` returned; without, ``norm(x)``."""
+    """RMSNorm over the last dim (float32 statistics). With `residual`: ``h = x + residual``
+    (rounded to x's dtype) is normalized and ``(norm(h), h)`` returned; without, ``norm(x)``.
+    The normalized x is rounded to x's dtype and then scaled by `weight` (Llama), or with
+    `weight_in_float32` scaled in float32 and rounded once (GPT-OSS, T5)."""
     if _use_triton(x):
         from quantfw.kernels.fused import triton_ops
 
-        return triton_ops.rms_norm(x, weight, eps, residual)
-    return reference.rms_norm(x, weight, eps, residual)
+        return triton_ops.rms_norm(x, weight, eps, residual, weight_in_float32=weight_in_float32)
+    return reference.rms_norm(x, weight, eps, residual, weight_in_float32=weight_in_float32)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

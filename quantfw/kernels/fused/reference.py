@@ -7,12 +7,21 @@ import torch.nn.functional as F
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    *,
+    weight_in_float32: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     if residual is not None:
         x = x + residual
     x32 = x.float()
-    out = weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if weight_in_float32:
+        out = (weight.float() * normed).to(x.dtype)
+    else:
+        out = weight * normed.to(x.dtype)
     return out if residual is None else (out, x)
 
 

@@ -29,6 +29,7 @@ def _rms_norm_kernel(
     res_stride,
     eps,
     HAS_RES: tl.constexpr,
+    WEIGHT_IN_F32: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -43,12 +44,20 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = (xf * inv).to(dtype).to(tl.float32) * w
+    if WEIGHT_IN_F32:
+        y = xf * inv * w
+    else:
+        y = (xf * inv).to(dtype).to(tl.float32) * w
     tl.store(out_ptr + row * n_cols + cols, y.to(dtype), mask=mask)
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    *,
+    weight_in_float32: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     shape, n = x.shape, x.shape[-1]
     x2 = _rows(x)
@@ -67,6 +76,7 @@ def rms_norm(
         res2.stride(0),
         eps,
         HAS_RES=residual is not None,
+        WEIGHT_IN_F32=weight_in_float32,
         BLOCK=block,
         num_warps=_warps(block),
     )

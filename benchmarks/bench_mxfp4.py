@@ -43,8 +43,8 @@ from quantfw.kernels.mxfp4.triton import grouped_gemm
 E, TOP_K, H, INTER = 32, 4, 2880, 2880
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 GEMV_SWEEP = [
-    dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3, GEMV=True, LUT=lut)
-    for bn, bk, w, lut in itertools.product((8, 16, 32), (128, 256, 512), (2, 4), (True, False))
+    dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3, GEMV=True)
+    for bn, bk, w in itertools.product((8, 16, 32), (128, 256, 512), (2, 4))
     if bn * bk <= 8192
 ]
 DECODE_SWEEP = [

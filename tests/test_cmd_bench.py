@@ -17,6 +17,8 @@ from config_only import config_folder
 import quantfw
 from quantfw.bench.configs import bundled_configs, read_hf_config, write_config_folder
 from quantfw.bench.measure import (
+    decode_read_bytes,
+    experts_read_fraction,
     BenchSettings,
     bound_cache_bytes,
     uncounted_layers,
@@ -100,6 +102,25 @@ def test_method_table():
     with pytest.raises(ValueError, match="too short"):
         BenchSettings(prompt_len=300).model_len(256)
     assert BenchSettings(prompt_len=100).model_len(40960) == 4096
+
+
+def test_a_moe_decode_step_reads_the_routed_experts(tmp_path):
+    """The decode floor of a MoE model counts the experts a step routes to, not all of them."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "support"))
+    import tiny_moe
+
+    folder = tiny_moe.save(tiny_moe.build_hf("qwen3_moe"), str(tmp_path / "moe"))
+    model = quantfw.load_model(folder, load_format="dummy")
+    moe = [m for m in model.modules() if type(m).__name__ == "FusedMoE"]
+    experts = sum(
+        t.numel() * t.element_size() for m in moe for t in (*m.parameters(), *m.buffers())
+    )
+    held, read = weight_bytes(model)
+    embedding = model.model.embed_tokens.weight
+    dense = held - experts - embedding.numel() * embedding.element_size()
+    assert experts > 0 and experts_read_fraction(2, 8, 1) == 0.25
+    assert abs(read - (dense + experts * 0.25)) <= len(moe)
+    assert abs(decode_read_bytes(model, 16) - (dense + experts * (1 - 0.75**16))) <= len(moe)
 
 
 @pytest.mark.parametrize("tied", [False, True])

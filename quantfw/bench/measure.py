@@ -22,6 +22,7 @@ from torch import nn
 
 from quantfw import distributed as qdist
 from quantfw.bench.methods import BenchMethod
+from quantfw.layers.moe import FusedMoE
 from quantfw.layers.quantization.base import QuantizeMethodBase
 from quantfw.layers.vocab import ParallelLMHead, VocabParallelEmbedding
 
@@ -120,28 +121,52 @@ def _storage_bytes(tensors: list[torch.Tensor], seen: set[int]) -> int:
     return total
 
 
+def _module_weights(module: nn.Module) -> list[torch.Tensor]:
+    tensors = list(module.parameters(recurse=False))
+    if isinstance(getattr(module, "quant_method", None), QuantizeMethodBase):
+        tensors += list(module.buffers(recurse=False))
+    return tensors
+
+
 def weight_bytes(model: nn.Module) -> tuple[int, int]:
-    """(bytes of weights this rank holds, bytes of them one decode step reads).
+    """(bytes of weights this rank holds, bytes of them one batch-1 decode step reads).
 
     Weights are every parameter plus the buffers of quantized layers (their runtime tensors);
     a decode step reads all of them except an input embedding table, of which it reads only a
-    few rows (unless the LM head shares it)."""
+    few rows (unless the LM head shares it), and a mixture-of-experts layer's experts, of which
+    it reads the routed ones (`decode_read_bytes`)."""
+    return _held_bytes(model), decode_read_bytes(model, 1)
+
+
+def _held_bytes(model: nn.Module) -> int:
     seen: set[int] = set()
-    held = 0
+    return sum(_storage_bytes(_module_weights(m), seen) for m in model.modules())
+
+
+def experts_read_fraction(top_k: int, num_experts: int, batch: int) -> float:
+    """The expected fraction of a MoE layer's experts that `batch` tokens route to, with each
+    token's `top_k` experts drawn uniformly: ``1 - (1 - top_k / E) ** batch``."""
+    return 1.0 - (1.0 - top_k / num_experts) ** batch
+
+
+def decode_read_bytes(model: nn.Module, batch: int) -> int:
+    """Weight bytes one decode step of `batch` sequences reads (see `weight_bytes`)."""
+    seen: set[int] = set()
+    total = 0.0
     lookup_only: list[torch.Tensor] = []
     head: list[torch.Tensor] = []
     for module in model.modules():
-        tensors = list(module.parameters(recurse=False))
-        if isinstance(getattr(module, "quant_method", None), QuantizeMethodBase):
-            tensors += list(module.buffers(recurse=False))
-        held += _storage_bytes(tensors, seen)
+        nbytes = _storage_bytes(_module_weights(module), seen)
+        if isinstance(module, FusedMoE):
+            nbytes *= experts_read_fraction(module.top_k, module.num_experts, batch)
+        total += nbytes
         if isinstance(module, ParallelLMHead):
             head.append(module.weight)
         elif isinstance(module, VocabParallelEmbedding):
             lookup_only.append(module.weight)
     head_ptrs = {t.untyped_storage().data_ptr() for t in head}
     skipped = [t for t in lookup_only if t.untyped_storage().data_ptr() not in head_ptrs]
-    return held, held - _storage_bytes(skipped, set())
+    return int(total) - _storage_bytes(skipped, set())
 
 
 def uncounted_layers(model: nn.Module) -> list[str]:
@@ -338,6 +363,6 @@ def measure_method(
         result["peak_excl_kv_cache_gib"] = (peak - cache) / GIB
     for b, run in result["decode"].items():
         if bandwidth:
-            run["floor_tokens_per_s"] = int(b) * bandwidth / read
+            run["floor_tokens_per_s"] = int(b) * bandwidth / decode_read_bytes(engine.model, int(b))
             run["floor_fraction"] = run["tokens_per_s"] / run["floor_tokens_per_s"]
     return result

@@ -62,7 +62,8 @@ def format_report(report: dict[str, Any]) -> str:
     if report.get("copy_bandwidth_gb_s"):
         head += (
             f"copy bandwidth {report['copy_bandwidth_gb_s']:.0f} GB/s; decode floor = batch x "
-            "bandwidth / weight bytes read per step (per rank)\n"
+            "bandwidth / weight bytes read per step (per rank; of a MoE layer's experts, the\n"
+            "expected share a batch routes to with uniform routing)\n"
         )
     head += (
         "(x) is the ratio to fp16 in this run: speed for times and tokens/s, size for GiB; build s "

@@ -113,7 +113,7 @@ def test_gpu_moe_matches_reference(dtype, quantized, i):
             DOT_SCALED=True,
         ),
         dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3, GEMV=True),
-        dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=256, num_warps=2, num_stages=4, GEMV=True, LUT=False),
+        dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=256, num_warps=2, num_stages=4, GEMV=True),
         dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, DEQUANT=True),
     ],
 )

@@ -72,7 +72,7 @@ def grouped_gemm() -> None:
             dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1),
             dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=1, SWAP=True),
             dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=64, num_warps=4, num_stages=1, GEMV=True),
-            dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1, GEMV=True, LUT=False),
+            dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1, GEMV=True),
         ):
             if cfg.get("GEMV") and not quantized:
                 continue
@@ -91,7 +91,6 @@ def grouped_gemm() -> None:
             tag = f"{'mxfp4' if quantized else 'dense'} BN={cfg['BLOCK_N']} BK={cfg['BLOCK_K']}"
             tag += " swap" if cfg.get("SWAP") else ""
             tag += " gemv" if cfg.get("GEMV") else ""
-            tag += " (int decode)" if cfg.get("LUT") is False else ""
             check(f"grouped_gemm {tag}", rel(out, ref), 1e-5)
 
 

@@ -3,11 +3,9 @@
 * ``_grouped_gemv_kernel``: one sorted row per program and BLOCK_N output columns of its
   expert, on CUDA cores. At decode an expert sees about one row, so a tensor-core tile would be
   mostly padding, and the decoded weights would need a register-to-MMA-layout shuffle per tile.
-  Here the packed bytes stay in their load layout: each code's value comes from a 16-entry
-  table (``LUT``, one L1-resident load a value, which unloads the integer pipe) or from integer
-  ops; the low nibbles multiply the even inputs and the high nibbles the odd inputs, each scale
-  group's 16 bytes are scaled by one broadcast factor, and the products accumulate per column
-  and lane until one reduction at the end.
+  Here the packed bytes stay in their load layout: the low nibbles multiply the even inputs and
+  the high nibbles the odd inputs, each scale group's 16 bytes are scaled by one broadcast
+  factor, and the products accumulate per column and lane until one reduction at the end.
 * ``_dequantize_kernel``: whole experts to the activation dtype (the prefill path: a dense
   grouped GEMM then runs on tensor cores).
 
@@ -22,16 +20,14 @@ import triton
 import triton.language as tl
 
 from quantfw.kernels.moe.sort import BlockPlan
-from quantfw.kernels.mxfp4.format import FP4_VALUES
 from quantfw.kernels.mxfp4.triton.grouped_gemm import _decode_tile, _e2m1_times_two, _ue8m0_half
 
 
 @triton.jit
 def _grouped_gemv_kernel(
-    a_ptr, gather_ptr, w_ptr, s_ptr, lut_ptr, bias_ptr, out_ptr, block_expert_ptr, block_row_ptr,
+    a_ptr, gather_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, block_expert_ptr, block_row_ptr,
     N, K, num_experts, stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_om,
-    GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, LUT: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    GATHER: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """grid (plan blocks of one row, N / BLOCK_N): out[r, n] = a[src(r)] . W[e(r), n] (+ bias)."""
     pid_m = tl.program_id(0)
@@ -67,13 +63,7 @@ def _grouped_gemv_kernel(
         )
         a_even = tl.load(a_row + k0 + 2 * j, mask=k_ok, other=0.0).to(tl.float32)
         a_odd = tl.load(a_row + k0 + 2 * j + 1, mask=k_ok, other=0.0).to(tl.float32)
-        if LUT:  # twice each code's value from a 64-byte table (L1 resident): one load a value
-            lo = tl.load(lut_ptr + (p & 15))
-            hi = tl.load(lut_ptr + (p >> 4))
-        else:  # the same values by integer ops
-            lo = _e2m1_times_two(p & 15)
-            hi = _e2m1_times_two(p >> 4)
-        pair = lo * a_even[None, :] + hi * a_odd[None, :]
+        pair = _e2m1_times_two(p & 15) * a_even[None, :] + _e2m1_times_two(p >> 4) * a_odd[None, :]
         scaled = tl.reshape(pair, [BLOCK_N, GROUPS, 16]) * _ue8m0_half(s.to(tl.int32))[:, :, None]
         acc += tl.reshape(scaled, [BLOCK_N, HALF])
     acc = tl.sum(acc, axis=1)
@@ -101,27 +91,17 @@ def _dequantize_kernel(
     tl.store(out_ptr + nl * K + k[None, :], w.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-_LUTS: dict[torch.device, torch.Tensor] = {}
-
-
-def _lut(device: torch.device) -> torch.Tensor:
-    """float32 [16]: twice the value of each E2M1 code, on `device` (made once per device)."""
-    if device not in _LUTS:
-        _LUTS[device] = 2 * torch.tensor(FP4_VALUES, dtype=torch.float32, device=device)
-    return _LUTS[device]
-
-
 def grouped_gemv(a, w, s, plan: BlockPlan, bias, gather, out, config: dict) -> None:
     """`grouped_gemm` for a plan of one-row blocks (``plan.block_m == 1``), MXFP4 weights
     ``w [E, N, K/2]`` / ``s [E, N, K/32]``; writes `out`."""
     num_experts, n, half = w.shape
     grid = (plan.num_blocks, triton.cdiv(n, config["BLOCK_N"]))
     _grouped_gemv_kernel[grid](
-        a, gather if gather is not None else plan.block_row, w, s, _lut(a.device),
+        a, gather if gather is not None else plan.block_row, w, s,
         bias if bias is not None else out, out, plan.block_expert, plan.block_row,
         n, 2 * half, num_experts, a.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1),
         bias.stride(0) if bias is not None else 0, out.stride(0),
-        GATHER=gather is not None, HAS_BIAS=bias is not None, LUT=config.get("LUT", True),
+        GATHER=gather is not None, HAS_BIAS=bias is not None,
         BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )  # fmt: skip

@@ -192,7 +192,7 @@ def default_config(rows: int, num_experts: int, n: int, k: int, mxfp4: bool = Tr
     one row per block; ``DEQUANT``: MXFP4 experts are dequantized, then the dense kernel runs."""
     per_expert = rows / max(1, min(rows, num_experts))
     if mxfp4 and per_expert <= GEMV_MAX_ROWS_PER_EXPERT:
-        return {"BLOCK_M": 1, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3,
+        return {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3,
                 "GEMV": True}  # fmt: skip
     if per_expert <= 16:
         return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3,

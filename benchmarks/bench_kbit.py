@@ -1,15 +1,18 @@
 """kbit benchmark: K = 2..5 against fp16 cuBLAS, our W4A16 (for K = 4), dequantize + cuBLAS,
 and each K's bandwidth floor.
 
-Same harness and shapes as ``bench_w4a16.py``: for the Qwen3-8B and Llama-3-70B TP=8 shard
-shapes and M in {1, 4, 16, 64, 256, 1024, 4096}, every method is timed as CUDA-graph replays of
-calls rotating over enough weight copies that L2 cannot hold them, the methods of a row in
-interleaved rounds (order rotated, 20 ms of idle GPU before each; ``common.timing``).
+Same harness and shapes as ``bench_w4a16.py``; by default (about 3 minutes on an H200, most
+of it Triton compiles) the Qwen3-8B gate_up and down shapes at M in {1, 4, 16, 64, 256, 1024}
+(``--shapes all --ms 1,4,16,64,256,1024,4096`` for the full set). Every method is timed as
+CUDA-graph replays of calls rotating over enough weight copies that L2 cannot hold them, the
+methods of a row in interleaved rounds (order rotated, 20 ms of idle GPU before each;
+``common.timing``).
 Methods per (shape, K, M):
 
 * ``fp16``: ``F.linear`` on an fp16 weight (cuBLAS);
-* ``kbit``: ``kbit_matmul_cuda`` with the config ``tune()`` picked for this M bucket (timed
-  with the same rotated timer); ``kbit_default``: the config a call gets without tuning;
+* ``kbit``: ``kbit_matmul_cuda`` with the config ``tune()`` picked for this M bucket among
+  ``configs.candidate_configs`` (fused with SWAP on and off, deq; timed with the same rotated
+  timer); ``kbit_default``: the config a call gets without tuning;
 * ``kbit_deq``: the ``("deq", ...)`` path (dequantize into a dense fp16 weight, then cuBLAS);
 * ``w4a16`` (K = 4): our AWQ kernels on a group-128 AWQ weight of the same shape, with the
   config a call gets without tuning (the shipped H200 table covers these shapes);
@@ -36,17 +39,20 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from bench_w4a16 import MS, gpu_meta, log, plot_panels, select_shapes  # noqa: E402
+from bench_w4a16 import gpu_meta, log, plot_panels, select_shapes  # noqa: E402
 
 from quantfw.kernels import kbit  # noqa: E402
 from quantfw.kernels import w4a16 as W  # noqa: E402
 from quantfw.kernels.common.timing import graph_time, graph_times, n_copies  # noqa: E402
 from quantfw.kernels.kbit import tables as KT  # noqa: E402
+from quantfw.kernels.kbit.configs import candidate_configs  # noqa: E402
 from quantfw.kernels.kbit.triton import dispatch as KD  # noqa: E402
 from quantfw.kernels.kbit.triton.tuning import random_kbit  # noqa: E402
 from quantfw.kernels.w4a16.triton.tuning import packed_bytes, random_awq  # noqa: E402
 
 BITS = [2, 3, 4, 5]
+SHAPES = "qwen3-8b.gate_up,qwen3-8b.down"
+MS = [1, 4, 16, 64, 256, 1024]
 G = 128  # W4A16 group size
 
 
@@ -59,12 +65,14 @@ def check_errors(name, K, N, bits, weights, log):
     """Relative error of the kernels (default configs) against the fp32 dequantized weight."""
     rows = []
     ref = kbit.dequantize_weight(weights[0], torch.float32)
-    for m in (1, 16, 256, 1024):
+    for m in (1, 7, 33, 300):
         x = torch.randn(m, K, device="cuda", dtype=torch.float16)
         want = x.float() @ ref.t()
         err = ((kbit.kbit_matmul(x, weights[0]).float() - want).norm() / want.norm()).item()
         log(f"  {name} K={bits} M={m} rel err vs fp32 reference: {err:.2e}")
         rows.append({"shape": name, "bits": bits, "check_M": m, "rel_err_fp16": err})
+        if not err < 2e-3:
+            raise SystemExit(f"{name} K={bits} M={m}: relative error {err:.2e} (> 2e-3): wrong")
     return rows
 
 
@@ -90,6 +98,7 @@ def bench_shape(name, K, N, ms, bits_list, copy_bw, mm_rate, l2, log):
             def run(cfg, x=x, weights=weights):
                 return [lambda w=w: KD.kbit_matmul_cuda(x, w, config=cfg) for w in weights]
 
+            log(f"  {name} K={bits} M={M}: tuning {len(candidate_configs(M))} configs ...")
             t0 = time.time()
             cfg = KD.tune(
                 x, weights[0], bench=lambda c, run=run, est=floor_us: graph_time(run(c), est)
@@ -148,7 +157,7 @@ def _geomean(xs):
 def summarize(rows):
     perf = [r for r in rows if "M" in r]
     lines = []
-    for bits in (4, 2):
+    for bits in BITS:
         small = [r for r in perf if r["bits"] == bits and r["M"] <= 16]
         if small:
             ok = [r for r in small if r["kbit_over_floor"] <= 1.5]
@@ -238,7 +247,7 @@ def main():
     ap.add_argument(
         "--out", default=os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
     )
-    ap.add_argument("--shapes", default="all", help="comma-separated shape names, or all")
+    ap.add_argument("--shapes", default=SHAPES, help="comma-separated shape names, or all")
     ap.add_argument("--ms", default=",".join(map(str, MS)))
     ap.add_argument("--bits", default=",".join(map(str, BITS)))
     ap.add_argument("--configs-out", default=None, help="folder for this GPU's kbit config table")
@@ -249,10 +258,13 @@ def main():
     bits_list = [int(b) for b in args.bits.split(",")]
     rows = []
     os.makedirs(args.out, exist_ok=True)
-    for name, K, N in shapes:
+    start = time.time()
+    for i, (name, K, N) in enumerate(shapes):
+        log(f"[{time.time() - start:6.0f} s] shape {i + 1}/{len(shapes)}: {name} (K={K}, N={N})")
         rows += bench_shape(name, K, N, ms, bits_list, copy_bw, mm_rate, l2, log)
         with open(os.path.join(args.out, "kbit-partial.json"), "w") as f:
             json.dump({"meta": meta, "rows": rows}, f)
+    log(f"[{time.time() - start:6.0f} s] done")
     summary = summarize(rows)
     base = write_outputs(args.out, meta, rows, summary)
     for s in summary:

@@ -31,24 +31,36 @@ def random_weight(N: int, K: int, bits: int, seed: int, device="cpu"):
     return planes.to(device), absmax.to(device), cb.to(device), ref.to(device)
 
 
-@pytest.mark.parametrize("bits,N,K", [(2, 200, 320), (3, 128, 64), (5, 72, 96)])
-def test_tiled_layout_matches_its_definition(bits, N, K):
+@pytest.mark.parametrize("bits,N,K", [(2, 200, 320), (3, 128, 64), (4, 72, 288), (5, 136, 96)])
+def test_field_packed_layout_matches_its_definition(bits, N, K):
     planes, absmax, cb, ref = random_weight(N, K, bits, seed=bits)
     w = layout.repack(planes, absmax, cb)
-    KT, NT = -(-K // 64), -(-N // 128)
-    assert w.qweight.shape == (KT, NT, 128, 2, bits) and w.scales.shape == (KT, NT, 128, 2)
-    for kt, nt, c, j in [(0, 0, 0, 0), (KT - 1, NT - 1, 5, 1), (KT // 2, 0, 77, 1)]:
-        n, kb = nt * 128 + c, kt * 2 + j
-        if n < N and kb < K // 32:
-            assert w.qweight[kt, nt, c, j].tolist() == planes[n, kb].tolist()
-            assert w.scales[kt, nt, c, j].item() == absmax[n, kb].item()
-        else:
-            assert not w.qweight[kt, nt, c, j].any() and w.scales[kt, nt, c, j].item() == 0
-    flat = w.qweight.permute(1, 2, 0, 3, 4).reshape(NT * 128, KT * 2, bits)
-    assert not flat[N:].any() and not flat[:, K // 32 :].any()  # padding: zero blocks
+    KB, KBP, NP = K // 32, -(-K // 256) * 8, -(-N // 128) * 128
+    assert w.qweight.shape == (NP, KBP * bits) and w.qweight.dtype == torch.int32
+    assert w.scales.shape == (NP, KBP) and w.bits == bits
+    indices = kfmt.unpack_bitplanes(planes)
+    words = w.qweight.reshape(NP, KBP, bits).to(torch.int64) & 0xFFFFFFFF
+    # the groups of the module docstring: (field bits, first word, first index bit)
+    groups = {2: [(2, 0, 0)], 3: [(2, 0, 0), (1, 2, 2)], 4: [(4, 0, 0)], 5: [(4, 0, 0), (1, 4, 4)]}
+    gen = torch.Generator().manual_seed(bits)
+    picks = [(0, 0), (N - 1, KB - 1)] + [
+        (int(torch.randint(N, (1,), generator=gen)), int(torch.randint(KB, (1,), generator=gen)))
+        for _ in range(6)
+    ]
+    for n, kb in picks:
+        assert w.scales[n, kb] == absmax[n, kb]
+        for e in range(32):
+            idx = 0
+            for f, first, low in groups[bits]:
+                word = int(words[n, kb, first + e // (32 // f)])
+                idx |= ((word >> (f * (e % (32 // f)))) & ((1 << f) - 1)) << low
+            assert idx == indices[n, kb, e], (n, kb, e)
+    assert not words[N:].any() and not words[:, KB:].any()  # padding: zero blocks, scale 0
+    assert not w.scales[N:].any() and not w.scales[:, KB:].any()
     p2, a2 = layout.unpack(w)
     assert torch.equal(p2, planes) and torch.equal(a2, absmax)
     assert torch.equal(layout.dequantize_weight(w), ref)
+    assert torch.equal(layout.dequantize_weight(w, torch.float16), ref.half())
     held = sum(t.numel() * t.element_size() for t in (w.qweight, w.scales, w.codebook))
     assert layout.tiled_nbytes(N, K, bits) == held
 
@@ -71,31 +83,33 @@ def test_cpu_matmul_matches_reference():
 
 def test_configs_and_their_checks():
     for M in (1, 16, 17, 64, 65, 511, 512, 4096):
-        for cfg in [*C.candidate_configs(M), C.default_config(M, 4096, 4096, 4)]:
+        cands = C.candidate_configs(M)
+        assert cands[0] == C.default_config(M, 4096, 4096, 4) and len(set(cands)) == len(cands)
+        for cfg in cands:
             assert C.check_config(cfg) == cfg
-    # the fused kernel only where it was right on the GPU (C.FUSED_MAX_M)
-    assert [C.default_config(M, 64, 64, 4)[0] for M in (1, 2, 16, 64, 128, 4096)] == (
-        ["fused"] + ["deq"] * 5
-    )
-    assert all(cfg[0] == "deq" for cfg in C.candidate_configs(2))
+    # few tokens: swapped fused tiles; then fused; large M: dequantize + cuBLAS
+    kinds = [C.default_config(M, 64, 64, 4)[::7] for M in (1, 16, 33, 64, 128, 129, 4096)]
+    assert kinds == [("fused", True)] * 4 + [("fused", False), ("deq",), ("deq",)]
+    for M in (1, 64):  # both MMA orientations are tuning candidates where few tokens run
+        assert {c[7] for c in C.candidate_configs(M) if c[0] == "fused"} == {True, False}
     with pytest.raises(ValueError, match=r"here: unknown kernel kind 'mma'; kinds: fused, deq"):
         C.check_config(("mma", 1), "here")
     with pytest.raises(ValueError, match="block_n=256 must be 16, 32, 64 or 128"):
-        C.check_config(("fused", 16, 256, 64, 4, 2, 4))
-    with pytest.raises(ValueError, match="block_k=96 must be 64, 128, 256"):
-        C.check_config(("deq", 64, 96, 4))
+        C.check_config(("fused", 16, 256, 64, 4, 2, 4, False))
+    with pytest.raises(ValueError, match="block_k=512 must be 64, 128 or 256"):
+        C.check_config(("deq", 64, 512, 4))
     with pytest.raises(ValueError, match="block_m=8 must be 16, 32, 64"):
-        C.check_config(("fused", 8, 64, 64, 4, 2, 4))
-    with pytest.raises(
-        ValueError, match=r"has 2 fields, deq takes \('deq', block_n, block_k, warps\)"
-    ):
-        C.check_config(("deq", 64, 64))
+        C.check_config(("fused", 8, 64, 64, 4, 2, 4, True))
+    with pytest.raises(ValueError, match=r"swap=1 in .* must be True/False"):
+        C.check_config(("fused", 16, 64, 64, 4, 2, 4, 1))
+    with pytest.raises(ValueError, match=r"has 6 fields, fused takes \('fused', block_m, .*swap\)"):
+        C.check_config(("fused", 16, 64, 64, 4, 2, 4))
 
 
 def test_tables_round_trip(tmp_path, monkeypatch):
     monkeypatch.setenv(T.ENV_DIR, str(tmp_path))
     T.TABLES.cache_clear()
-    small, big = ("fused", 16, 32, 128, 4, 2, 8), ("deq", 128, 128, 8)
+    small, big = ("fused", 16, 32, 128, 4, 2, 8, True), ("deq", 128, 128, 8)
     path = tmp_path / T.TABLES.file_name("Fake GPU")
     assert path.name == "kbit-Fake_GPU.json"
     T.TABLES.write_table(path, "Fake GPU", {(640, 256, 3): {1: small, 1024: big}}, "test")
@@ -113,8 +127,9 @@ def test_tables_round_trip(tmp_path, monkeypatch):
 
 
 def test_triton_kernels_in_the_interpreter():
-    """Repack and dequantize bit-exact, the fused GEMM (split-K 1 and > 1, 16- and 32-token
-    tiles) and the deq path within fp16 rounding, workspace left clean; K = 2..5, padded N/K."""
+    """Repack and dequantize bit-exact, the fused GEMM (split-K 1 and > 1, SWAP off and on,
+    M = 1, 3, 17, 40, bias) and the deq path within fp16 rounding, workspace left clean;
+    K = 2..5, padded N/K (tests/scripts/kbit_interpret.py)."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
@@ -128,18 +143,19 @@ def test_triton_kernels_in_the_interpreter():
 _GEMM_SIGNATURE = {
     "x_ptr": "*fp16", "qweight_ptr": "*i32", "scales_ptr": "*u8", "codebook_ptr": "*fp32",
     "out_ptr": "*fp16", "bias_ptr": "*fp16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32",
-    "N": "i32", "K": "i32", "KT": "i32", "NT": "i32", "stride_xm": "i32", "stride_om": "i32",
-    "ITERS": "i32", "SPLIT": "i32", "BITS": "constexpr", "BLOCK_M": "constexpr",
-    "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "HAS_BIAS": "constexpr",
+    "N": "i32", "K": "i32", "KBP": "i32", "stride_xm": "i32", "stride_om": "i32",
+    "ITERS": "i32", "STEPS": "i32", "BITS": "constexpr", "BLOCK_M": "constexpr",
+    "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SPLIT_K": "constexpr", "SWAP": "constexpr",
+    "HAS_BIAS": "constexpr",
 }  # fmt: skip
 _DEQUANT_SIGNATURE = {
     "qweight_ptr": "*i32", "scales_ptr": "*u8", "codebook_ptr": "*fp32", "w_ptr": "*bf16",
-    "N": "i32", "K": "i32", "KT": "i32", "NT": "i32", "BITS": "constexpr",
+    "N": "i32", "K": "i32", "KBP": "i32", "BITS": "constexpr",
     "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
 }  # fmt: skip
 _REPACK_SIGNATURE = {
     "planes_ptr": "*i32", "absmax_ptr": "*u8", "qweight_ptr": "*i32", "scales_ptr": "*u8",
-    "N": "i32", "KB": "i32", "NT": "i32", "BITS": "constexpr",
+    "N": "i32", "KB": "i32", "KBP": "i32", "BITS": "constexpr", "BLOCKS": "constexpr",
 }  # fmt: skip
 
 
@@ -157,13 +173,14 @@ def test_kernels_compile_for_sm90_without_a_gpu():
         options = {"num_warps": warps, "num_stages": stages}
         return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
-    for bits, tile in ((3, (16, 64, 128)), (4, (64, 128, 64))):
+    for bits, tile, swap, warps in ((2, (16, 128, 128), True, 8), (5, (64, 64, 64), False, 4)):
         bm, bn, bk = tile
-        consts = {"BITS": bits, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "HAS_BIAS": True}
-        kernel = compile_(KK.kbit_gemm_kernel, _GEMM_SIGNATURE, consts)
+        consts = {"BITS": bits, "BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": True,
+                  "SWAP": swap, "HAS_BIAS": True}  # fmt: skip
+        kernel = compile_(KK.kbit_gemm_kernel, _GEMM_SIGNATURE, consts, warps=warps, stages=3)
         assert kernel.metadata.shared <= 228 * 1024
-    compile_(KK.kbit_dequant_kernel, _DEQUANT_SIGNATURE, {"BITS": 5, "BLOCK_N": 64, "BLOCK_K": 128})
-    compile_(KK.kbit_repack_kernel, _REPACK_SIGNATURE, {"BITS": 3})
+    compile_(KK.kbit_dequant_kernel, _DEQUANT_SIGNATURE, {"BITS": 3, "BLOCK_N": 64, "BLOCK_K": 128})
+    compile_(KK.kbit_repack_kernel, _REPACK_SIGNATURE, {"BITS": 4, "BLOCKS": 128})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -186,6 +203,13 @@ def test_gpu_repack_matches_reference(bits):
     assert torch.equal(got.qweight, want.qweight) and torch.equal(got.scales, want.scales)
 
 
+def _with_both_swaps(configs) -> set[tuple]:
+    """`configs` plus each fused config with the other MMA orientation."""
+    out = set(configs)
+    out |= {(*c[:7], not c[7]) for c in configs if c[0] == "fused"}
+    return out
+
+
 @gpu
 @pytest.mark.parametrize(
     "bits,N,K,dtype",
@@ -198,24 +222,28 @@ def test_gpu_repack_matches_reference(bits):
     ],
 )
 def test_gpu_configs_match_reference(bits, N, K, dtype):
-    """The default config and two tuning candidates per M (fused with split-K 1 and > 1, deq),
-    padded N and K, bias; the split-K workspace is left clean."""
+    """Per M in 1, 7, 16, 33, 300: the default config and the first tuning candidates, each
+    fused one with SWAP off and on (split-K 1 and > 1 by shape), and deq; padded N and K,
+    bias; every output element written (NaN-filled first); the workspace left clean."""
     from quantfw.kernels.common import splitk
     from quantfw.kernels.kbit.triton.dispatch import kbit_matmul_cuda
 
     planes, absmax, cb, ref = random_weight(N, K, bits, seed=N + K, device="cuda")
     w = kbit.repack_weight(planes, absmax, cb)
     gen = torch.Generator(device="cuda").manual_seed(bits)
-    for M in (1, 7, 33, 300):
+    for M in (1, 7, 16, 33, 300):
         x = torch.randn(M, K, device="cuda", generator=gen).to(dtype)
         bias = torch.randn(N, device="cuda", generator=gen).to(dtype)
         want = x.double() @ ref.double().t() + bias.double()
-        configs = {C.default_config(M, N, K, bits), *C.candidate_configs(M)[:2]}
-        for cfg in sorted(configs):
+        configs = _with_both_swaps({C.default_config(M, N, K, bits), *C.candidate_configs(M)[:3]})
+        assert {c[7] for c in configs if c[0] == "fused"} == {True, False}
+        for cfg in sorted(configs, key=repr):
             out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
             out.copy_(kbit_matmul_cuda(x, w, bias, config=cfg))
             err = _rel(out, want)
             assert err < TOL[dtype], f"bits={bits} N={N} K={K} M={M} {dtype} {cfg}: {err:.2e}"
+            worst = ((out.double() - want).abs().max() / want.abs().max()).item()
+            assert worst < 4 * TOL[dtype], f"bits={bits} M={M} {cfg}: max error {worst:.2e}"
             ws, cnt = splitk.WORKSPACE.get(torch.cuda.current_device(), (None, None))
             assert ws is None or (not ws.any() and not cnt.any()), f"dirty workspace after {cfg}"
         out = kbit.kbit_matmul(x, w)  # the default config, no bias
@@ -223,10 +251,21 @@ def test_gpu_configs_match_reference(bits, N, K, dtype):
 
 
 @gpu
+@pytest.mark.parametrize("bits", kfmt.SUPPORTED_BITS)
+def test_gpu_dequantize_is_exact(bits):
+    from quantfw.kernels.kbit.triton.dispatch import dequantize
+
+    planes, absmax, cb, ref = random_weight(392, 4160, bits, seed=7 + bits, device="cuda")
+    w = kbit.repack_weight(planes, absmax, cb)
+    for dtype in (torch.float16, torch.bfloat16):
+        assert torch.equal(dequantize(w, dtype), ref.to(dtype)), dtype
+
+
+@gpu
 def test_gpu_cuda_graph_capture_and_replay():
     planes, absmax, cb, ref = random_weight(1024, 2048, 4, seed=3, device="cuda")
     w = kbit.repack_weight(planes, absmax, cb)
-    for M in (1, 16, 128, 1024):
+    for M in (1, 16, 33, 128, 1024):
         x = torch.randn(M, 2048, device="cuda", dtype=torch.float16)
         kbit.kbit_matmul(x, w)  # warm-up: compile, size the workspace
         torch.cuda.synchronize()

@@ -280,7 +280,7 @@ def test_cli_export_options(dense_dir, tmp_path):
 def test_cuda_layers_match_reference(dtype, tol, exported, dense_dir, quant_ref):
     """Every kbit linear on CUDA (Triton kernels for fp16/bf16, dequantize + matmul for fp32)
     against the fp64 product with the reference weights; quantizing while loading on the GPU
-    gives the same tiled tensors as on the CPU."""
+    gives the same packed tensors as on the CPU."""
     from quantfw.layers.linear import LinearBase
 
     fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -293,7 +293,7 @@ def test_cuda_layers_match_reference(dtype, tol, exported, dense_dir, quant_ref)
             continue
         head, _, leaf = prefix.rpartition(".")
         w = torch.cat([weights[f"{head}.{p}"] for p in fused.get(leaf, (leaf,))]).double()
-        for m in (1, 7, 64, 600):
+        for m in (1, 7, 16, 33, 64, 300, 600):
             x = torch.randn(m, layer.input_size, dtype=dtype, device="cuda")
             out = torch.full((m, w.shape[0]), float("nan"), dtype=dtype, device="cuda")
             with torch.no_grad():

@@ -1,7 +1,7 @@
 """kbit (K = 2..5 bit codebook quantization, blocks of 32, E4M4 scales, bit planes) kernels.
 
 ``format`` (codebooks, E4M4, bit planes, reference quantize / dequantize), ``layout`` (the
-tiled GEMM layout, reference repack, CPU twin), ``ops`` (``repack_weight`` and
+field-packed GEMM layout, reference repack, CPU twin), ``ops`` (``repack_weight`` and
 ``kbit_matmul``: the entry points, dispatching by device), ``configs`` and ``tables`` (kernel
 configs; no Triton), ``triton/`` (GPU repack, fused and dequantize kernels, dispatch,
 tuning; imported only on CUDA). Format: docs/formats.md; kernels: docs/kernels-kbit.md.

@@ -1,15 +1,33 @@
-"""The tiled GEMM layout of a kbit weight, the reference repack into it, and its CPU twin.
+"""The field-packed GEMM layout of a kbit weight, the reference repack into it, and its CPU twin.
 
 A linear weight ``W [N, K]`` (N output, K input features) quantized in blocks of 32 along K has
-flat checkpoint tensors ``planes int32 [N, K/32, bits]`` and ``absmax uint8 [N, K/32]``
-(`format.quantize`). The kernels read it tiled so that a (k tile, n tile) region is
-contiguous (spec 003, section 4.2), with ``TILE_K = 64`` (two blocks) and ``TILE_N = 128``::
+flat checkpoint tensors ``planes int32 [N, K/32, bits]`` (bit ``l`` of word ``b`` = bit ``b``
+of element ``l``'s index) and ``absmax uint8 [N, K/32]`` (`format.quantize`). Bit planes cost
+one shift and mask per bit and element to decode; the kernels instead read *field groups*, in
+which one shift and one mask extract an element's field. Per (column, block) there are still
+exactly ``bits`` int32 words (the same bytes as the planes), in groups of ``f``-bit fields:
 
-    qweight[kt, nt, c, j, b] = planes[nt * TILE_N + c, kt * 2 + j, b]   int32 [KT, NT, 128, 2, bits]
-    scales [kt, nt, c, j]    = absmax[nt * TILE_N + c, kt * 2 + j]      uint8 [KT, NT, 128, 2]
+=====  ============================================  ==========================
+bits   groups, in order (words)                      index
+=====  ============================================  ==========================
+2      2-bit (2 words)                               ``f2``
+3      2-bit (2 words), 1-bit (1 word)               ``f2 | f1 << 2``
+4      4-bit (4 words)                               ``f4``
+5      4-bit (4 words), 1-bit (1 word)               ``f4 | f1 << 4``
+=====  ============================================  ==========================
 
-N is padded to a multiple of 128 and K to a multiple of 64 with zero blocks (absmax 0, so
-zero weights); ``in_features`` / ``out_features`` keep the true sizes.
+In an ``f``-bit group, word ``j`` holds elements ``(32 / f) * j + t`` at bits ``f*t ..
+f*t + f - 1`` (``t < 32 / f``): a kernel that extracts a ``[words, 32 / f]`` tile from a group
+and flattens it gets the block's elements in order. Storage::
+
+    qweight int32 [N_pad, KB_pad * bits]   row n: column n's blocks in order, each block's
+                                           words in group order
+    scales  uint8 [N_pad, KB_pad]          E4M4 absmax of (column, block)
+    codebook float32 [2**bits]
+
+``N_pad`` is N rounded up to ``PAD_N = 128`` and ``KB_pad * 32`` is K rounded up to ``PAD_K =
+256`` (the largest kernel ``block_k``) with zero blocks (absmax 0, so zero weights), so the
+kernels' weight loads need no masks; ``in_features`` / ``out_features`` keep the true sizes.
 """
 
 from __future__ import annotations
@@ -21,24 +39,36 @@ import torch.nn.functional as F
 
 from quantfw.kernels.kbit import format as kfmt
 
-TILE_K = 64
-TILE_N = 128
-BLOCKS_PER_TILE = TILE_K // kfmt.BLOCKSIZE
+PAD_N = 128
+PAD_K = 256
+
+#: per bits: the field groups in storage order, as (field bits = words, first index bit)
+FIELD_GROUPS: dict[int, tuple[tuple[int, int], ...]] = {
+    2: ((2, 0),),
+    3: ((2, 0), (1, 2)),
+    4: ((4, 0),),
+    5: ((4, 0), (1, 4)),
+}
 
 
 @dataclass
 class KbitWeight:
-    """A kbit weight in the kernels' tiled layout (see module docstring)."""
+    """A kbit weight in the kernels' field-packed layout (see module docstring)."""
 
-    qweight: torch.Tensor  # int32 [KT, NT, TILE_N, 2, bits]
-    scales: torch.Tensor  # uint8 [KT, NT, TILE_N, 2] (E4M4)
+    qweight: torch.Tensor  # int32 [N_pad, KB_pad * bits]
+    scales: torch.Tensor  # uint8 [N_pad, KB_pad] (E4M4)
     codebook: torch.Tensor  # float32 [2**bits]
     in_features: int
     out_features: int
 
     @property
     def bits(self) -> int:
-        return self.qweight.shape[-1]
+        return self.qweight.shape[1] // self.scales.shape[1]
+
+    @property
+    def padded_blocks(self) -> int:
+        """KB_pad: blocks of 32 per column, padding included."""
+        return self.scales.shape[1]
 
     def to(self, device) -> KbitWeight:
         return replace(
@@ -53,16 +83,15 @@ def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
-def tiled_shape(out_features: int, in_features: int) -> tuple[int, int]:
-    """(KT, NT): the number of k tiles and n tiles of a ``[out, in]`` weight."""
-    return _round_up(in_features, TILE_K) // TILE_K, _round_up(out_features, TILE_N) // TILE_N
+def padded_shape(out_features: int, in_features: int) -> tuple[int, int]:
+    """(N_pad, KB_pad) of a ``[out, in]`` weight."""
+    return _round_up(out_features, PAD_N), _round_up(in_features, PAD_K) // kfmt.BLOCKSIZE
 
 
 def tiled_nbytes(out_features: int, in_features: int, bits: int) -> int:
     """Bytes of ``qweight`` + ``scales`` + ``codebook`` of a ``[out, in]`` weight."""
-    kt, nt = tiled_shape(out_features, in_features)
-    blocks = kt * nt * TILE_N * BLOCKS_PER_TILE
-    return blocks * (4 * bits + 1) + 4 * (1 << bits)
+    n_pad, kb_pad = padded_shape(out_features, in_features)
+    return n_pad * kb_pad * (4 * bits + 1) + 4 * (1 << bits)
 
 
 def check_flat(
@@ -78,31 +107,73 @@ def check_flat(
     return n, kb, bits, cb
 
 
+def _as_int32(words: torch.Tensor) -> torch.Tensor:
+    """int64 uint32 bit patterns -> int32 (two's complement)."""
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def pack_fields(indices: torch.Tensor, bits: int) -> torch.Tensor:
+    """Indices ``[..., 32]`` -> int32 words ``[..., bits]`` of one block in group order."""
+    idx = indices.to(torch.int64)
+    words = []
+    for f, low in FIELD_GROUPS[bits]:
+        field = ((idx >> low) & ((1 << f) - 1)).reshape(*idx.shape[:-1], f, 32 // f)
+        shifts = torch.arange(0, 32, f, device=idx.device)
+        words.append((field << shifts).sum(-1))
+    return _as_int32(torch.cat(words, dim=-1))
+
+
+def unpack_fields(words: torch.Tensor) -> torch.Tensor:
+    """int32 words ``[..., bits]`` in group order -> indices int64 ``[..., 32]``."""
+    bits = words.shape[-1]
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    idx = torch.zeros(*w.shape[:-1], kfmt.BLOCKSIZE, dtype=torch.int64, device=w.device)
+    start = 0
+    for f, low in FIELD_GROUPS[bits]:
+        shifts = torch.arange(0, 32, f, device=w.device)
+        field = (w[..., start : start + f, None] >> shifts) & ((1 << f) - 1)
+        idx |= field.reshape(idx.shape) << low
+        start += f
+    return idx
+
+
 def repack(
     planes: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor, name: str = "kbit weight"
 ) -> KbitWeight:
-    """Flat ``planes [N, K/32, bits]`` and ``absmax [N, K/32]`` -> the tiled `KbitWeight`
-    (torch ops on the tensors' device: the reference the Triton repack is checked against)."""
+    """Flat ``planes [N, K/32, bits]`` and ``absmax [N, K/32]`` -> the field-packed
+    `KbitWeight` (torch ops on the tensors' device: the reference the Triton repack is checked
+    against)."""
     n, kb, bits, cb = check_flat(planes, absmax, codebook, name)
-    kt, nt = tiled_shape(n, kb * kfmt.BLOCKSIZE)
-    pad_n, pad_kb = nt * TILE_N - n, kt * BLOCKS_PER_TILE - kb
-    planes = F.pad(planes, (0, 0, 0, pad_kb, 0, pad_n))
-    absmax = F.pad(absmax, (0, pad_kb, 0, pad_n))
-    q = planes.reshape(nt, TILE_N, kt, BLOCKS_PER_TILE, bits).permute(2, 0, 1, 3, 4)
-    s = absmax.reshape(nt, TILE_N, kt, BLOCKS_PER_TILE).permute(2, 0, 1, 3)
-    return KbitWeight(q.contiguous(), s.contiguous(), cb, kb * kfmt.BLOCKSIZE, n)
+    n_pad, kb_pad = padded_shape(n, kb * kfmt.BLOCKSIZE)
+    words = pack_fields(kfmt.unpack_bitplanes(planes), bits)  # [N, KB, bits]
+    words = F.pad(words, (0, 0, 0, kb_pad - kb, 0, n_pad - n))
+    scales = F.pad(absmax, (0, kb_pad - kb, 0, n_pad - n))
+    return KbitWeight(
+        words.reshape(n_pad, kb_pad * bits).contiguous(),
+        scales.contiguous(),
+        cb,
+        kb * kfmt.BLOCKSIZE,
+        n,
+    )
+
+
+def _fields(weight: KbitWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices int64 [N, K/32, 32], absmax [N, K/32]) of the unpadded weight."""
+    n, kb, bits = weight.out_features, weight.in_features // kfmt.BLOCKSIZE, weight.bits
+    words = weight.qweight[:n].reshape(n, weight.padded_blocks, bits)[:, :kb]
+    return unpack_fields(words), weight.scales[:n, :kb]
 
 
 def unpack(weight: KbitWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """The flat ``(planes [N, K/32, bits], absmax [N, K/32])`` of a tiled weight."""
-    kt, nt, tn, bpt, bits = weight.qweight.shape
-    n, kb = weight.out_features, weight.in_features // kfmt.BLOCKSIZE
-    planes = weight.qweight.permute(1, 2, 0, 3, 4).reshape(nt * tn, kt * bpt, bits)
-    absmax = weight.scales.permute(1, 2, 0, 3).reshape(nt * tn, kt * bpt)
-    return planes[:n, :kb], absmax[:n, :kb]
+    """The flat ``(planes [N, K/32, bits], absmax [N, K/32])`` of a field-packed weight."""
+    indices, absmax = _fields(weight)
+    return kfmt.pack_bitplanes(indices, weight.bits), absmax
 
 
 def dequantize_weight(weight: KbitWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The dense ``[N, K]`` weight, computed from the tiled layout."""
-    planes, absmax = unpack(weight)
-    return kfmt.dequantize(planes, absmax, weight.codebook, dtype)
+    """The dense ``[N, K]`` weight, computed from the field-packed layout (as
+    `format.dequantize`: level times decoded scale in float32, then `dtype`)."""
+    indices, absmax = _fields(weight)
+    cb = weight.codebook.to(device=indices.device, dtype=torch.float32)
+    values = cb[indices] * kfmt.decode_e4m4(absmax).unsqueeze(-1)
+    return values.reshape(weight.out_features, weight.in_features).to(dtype)

@@ -3,7 +3,7 @@ call), each choosing between the Triton kernels and the torch reference by devic
 
 On CUDA (compute capability >= 8.0, Triton installed) the repack runs ``kbit_repack_kernel``
 and fp16/bf16 activations run the kbit GEMM kernels (``triton/dispatch.py``, imported on first
-CUDA use); otherwise the repack is ``layout.repack`` and the tiled weight is dequantized
+CUDA use); otherwise the repack is ``layout.repack`` and the packed weight is dequantized
 (``layout.dequantize_weight``) and multiplied in float32.
 """
 
@@ -29,7 +29,7 @@ def triton_serves(device: torch.device) -> bool:
 def repack_weight(
     planes: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor, name: str = "kbit weight"
 ) -> KbitWeight:
-    """Flat ``planes [N, K/32, bits]``, ``absmax [N, K/32]`` and the codebook -> the tiled
+    """Flat ``planes [N, K/32, bits]``, ``absmax [N, K/32]`` and the codebook -> the field-packed
     `KbitWeight` on the tensors' device."""
     if triton_serves(planes.device):
         from quantfw.kernels.kbit.triton.dispatch import repack

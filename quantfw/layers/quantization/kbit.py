@@ -14,7 +14,7 @@ Two ways in:
 
 Both load through the layer's own weight loader (`layers/sharding.py` narrows the quantized
 tensors: blocks along the input dim, so a Row shard must hold whole blocks). After loading the
-planes are repacked into the kernels' tiled layout (`quantfw.kernels.kbit.layout`) and kept as
+planes are repacked into the kernels' field-packed layout (`quantfw.kernels.kbit.layout`) and kept as
 non-persistent buffers ``kbit_qweight``, ``kbit_scales``, ``kbit_codebook``.
 """
 

@@ -20,7 +20,7 @@ from quantfw.kernels.common import splitk
 from quantfw.kernels.common.timing import fastest_config
 from quantfw.kernels.kbit import format as kfmt
 from quantfw.kernels.kbit.configs import candidate_configs, m_bucket
-from quantfw.kernels.kbit.layout import TILE_K, TILE_N, KbitWeight, check_flat, tiled_shape
+from quantfw.kernels.kbit.layout import KbitWeight, check_flat, padded_shape
 from quantfw.kernels.kbit.tables import untuned_config
 from quantfw.kernels.kbit.triton.kernels import (
     kbit_dequant_kernel,
@@ -29,6 +29,8 @@ from quantfw.kernels.kbit.triton.kernels import (
 )
 
 _CONFIG_CACHE: dict[tuple, tuple] = {}
+#: (column, block) pairs per repack program; divides every N_pad * KB_pad (a multiple of 128 * 8)
+REPACK_BLOCKS = 128
 
 
 def repack(
@@ -36,13 +38,20 @@ def repack(
 ) -> KbitWeight:
     """`layout.repack` on the tensors' device with ``kbit_repack_kernel``."""
     n, kb, bits, cb = check_flat(planes, absmax, codebook, name)
-    kt, nt = tiled_shape(n, kb * kfmt.BLOCKSIZE)
+    n_pad, kb_pad = padded_shape(n, kb * kfmt.BLOCKSIZE)
+    if n_pad * kb_pad * bits >= 2**31:
+        raise ValueError(
+            f"{name}: kbit kernels index the packed weight with int32; [{n}, {kb * 32}] at "
+            f"{bits} bits has {n_pad * kb_pad * bits} words (at most 2**31 - 1)"
+        )
     dev = planes.device
-    qweight = torch.empty(kt, nt, TILE_N, 2, bits, dtype=torch.int32, device=dev)
-    scales = torch.empty(kt, nt, TILE_N, 2, dtype=torch.uint8, device=dev)
-    kbit_repack_kernel[(kt, nt)](
-        planes.contiguous(), absmax.contiguous(), qweight, scales, n, kb, nt, BITS=bits
-    )
+    qweight = torch.empty(n_pad, kb_pad * bits, dtype=torch.int32, device=dev)
+    scales = torch.empty(n_pad, kb_pad, dtype=torch.uint8, device=dev)
+    grid = (n_pad * kb_pad // REPACK_BLOCKS,)
+    kbit_repack_kernel[grid](
+        planes.contiguous(), absmax.contiguous(), qweight, scales, n, kb, kb_pad,
+        BITS=bits, BLOCKS=REPACK_BLOCKS,
+    )  # fmt: skip
     return KbitWeight(qweight, scales, cb, kb * kfmt.BLOCKSIZE, n)
 
 
@@ -51,11 +60,11 @@ def dequantize(
 ) -> torch.Tensor:
     """The dense ``[N, K]`` weight (``F.linear``'s layout) in `dtype`."""
     N, K = weight.out_features, weight.in_features
-    kt, nt = weight.qweight.shape[:2]
+    n_pad, kb_pad = weight.scales.shape
     w = torch.empty(N, K, dtype=dtype, device=weight.qweight.device)
-    grid = (triton.cdiv(N, block_n), triton.cdiv(kt * TILE_K, block_k))
+    grid = (n_pad // block_n, kb_pad * kfmt.BLOCKSIZE // block_k)
     kbit_dequant_kernel[grid](
-        weight.qweight, weight.scales, weight.codebook, w, N, K, kt, nt,
+        weight.qweight, weight.scales, weight.codebook, w, N, K, kb_pad,
         BITS=weight.bits, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
     )  # fmt: skip
     return w
@@ -74,22 +83,23 @@ def gemm(
         return F.linear(x2, dequantize(weight, x2.dtype, block_n, block_k, warps), bias)
     if cfg[0] != "fused":
         raise ValueError(f"kbit: unknown kernel config {cfg!r}; kinds: fused, deq")
-    _, bm, bn, bk, warps, stages, ctas_per_sm = cfg
+    _, bm, bn, bk, warps, stages, ctas_per_sm, swap = cfg
     M, K = x2.shape
     N = weight.out_features
-    kt, nt = weight.qweight.shape[:2]
-    tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
+    n_pad, kb_pad = weight.scales.shape
+    tiles = (n_pad // bn) * triton.cdiv(M, bm)
     sms = splitk.num_sms(x2.device) if sms is None else sms
-    split, iters = splitk.split_plan(triton.cdiv(kt, bk // TILE_K), tiles, sms, ctas_per_sm)
+    steps = kb_pad * kfmt.BLOCKSIZE // bk
+    split, iters = splitk.split_plan(steps, tiles, sms, ctas_per_sm)
     out = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
-    # one kernel for every split: the (shared, zeroed) workspace is passed even when unused
+    # the (shared, zeroed) workspace is passed even when unused
     ws, cnt = splitk.workspace(x2.device, M * N if split > 1 else 1, tiles if split > 1 else 1)
-    grid = (triton.cdiv(N, bn), split, triton.cdiv(M, bm))
+    grid = (n_pad // bn, split, triton.cdiv(M, bm))
     kbit_gemm_kernel[grid](
         x2, weight.qweight, weight.scales, weight.codebook, out,
         bias if bias is not None else out, ws, cnt,
-        M, N, K, kt, nt, x2.stride(0), out.stride(0), iters, split,
-        BITS=weight.bits, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        M, N, K, kb_pad, x2.stride(0), out.stride(0), iters, steps,
+        BITS=weight.bits, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split > 1, SWAP=swap,
         HAS_BIAS=bias is not None, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

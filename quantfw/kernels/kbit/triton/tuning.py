@@ -17,7 +17,7 @@ from quantfw.kernels.kbit.triton import dispatch
 
 
 def random_kbit(N: int, K: int, bits: int, device: torch.device | str) -> layout.KbitWeight:
-    """A random tiled kbit weight: random bit planes, E4M4 scales of 1e-3 .. 8e-3, the
+    """A random field-packed kbit weight: random bit planes, E4M4 scales of 1e-3 .. 8e-3, the
     normal-float codebook (repacked on `device`)."""
     from quantfw.kernels.kbit import format as kfmt
 

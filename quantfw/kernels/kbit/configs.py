@@ -52,13 +52,13 @@ def default_config(M: int, N: int, K: int, bits: int) -> tuple:
     """The heuristic config of an untuned call (few tokens: swapped fused tiles; up to
     ``FUSED_DEFAULT_MAX_M``: fused; beyond: dequantize + cuBLAS)."""
     if M <= 16:
-        return ("fused", 16, 128, 128, 8, 3, 4, True)
+        return ("fused", 16, 128, 128, 8, 1, 4, True)
     if M <= 32:
-        return ("fused", 32, 128, 128, 8, 3, 2, True)
+        return ("fused", 32, 128, 128, 8, 1, 2, True)
     if M <= 64:
-        return ("fused", 64, 128, 128, 8, 3, 2, True)
+        return ("fused", 64, 128, 128, 8, 1, 2, True)
     if M <= FUSED_DEFAULT_MAX_M:
-        return ("fused", 64, 128, 64, 4, 3, 2, False)
+        return ("fused", 64, 128, 64, 4, 1, 2, False)
     return ("deq", 128, 128, 8)
 
 

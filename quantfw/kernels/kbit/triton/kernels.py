@@ -9,8 +9,8 @@ plain ``triton.language`` (they also run in Triton's CPU interpreter, ``TRITON_I
 * ``kbit_gemm_kernel``: ``out [M, N] = x [M, K] @ W.T`` (+ bias) with the weight decoded tile
   by tile in registers (``dequant_tile``): each field group is loaded as a ``[BLOCK_N, blocks,
   words]`` word tile (contiguous innermost), one shift and one mask per element give its
-  field, the fields make the codebook index; K = 2 picks the level with two selects between
-  scalars, K >= 3 gathers it from the codebook (L1 resident); times the block's E4M4 scale,
+  field, the fields make the codebook index, the level is gathered from the codebook (16-128
+  bytes, L1 resident); times the block's E4M4 scale,
   then ``tl.dot`` on tensor cores with fp32 accumulation. ``SWAP`` computes ``W @ x.T``
   (the decoded weight is the MMA's first operand: Hopper's wgmma reads it from registers, and
   BLOCK_N fills wgmma's M >= 64 when there are few tokens). Split-K CTAs add into a shared
@@ -102,23 +102,8 @@ def _group_fields(first_word, F: tl.constexpr, BN: tl.constexpr, BKB: tl.constex
 
 
 @triton.jit
-def codebook_levels(codebook_ptr, BITS: tl.constexpr):
-    """The 4 levels as scalars for K = 2 (loaded once per program); K >= 3 gathers instead."""
-    if BITS == 2:
-        return (
-            tl.load(codebook_ptr),
-            tl.load(codebook_ptr + 1),
-            tl.load(codebook_ptr + 2),
-            tl.load(codebook_ptr + 3),
-        )
-    else:
-        return ()
-
-
-@triton.jit
 def dequant_tile(
-    qweight_ptr, scales_ptr, codebook_ptr, levels, n, kb0, KBP,
-    BITS: tl.constexpr, BLOCK_K: tl.constexpr,
+    qweight_ptr, scales_ptr, codebook_ptr, n, kb0, KBP, BITS: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """float32 ``[len(n), BLOCK_K]``: columns ``n`` of the weight at inputs ``32 * kb0 ..
     + BLOCK_K`` (all inside the padded weight)."""
@@ -132,12 +117,7 @@ def dequant_tile(
     idx = _group_fields(first, HI, BN, BKB)
     if BITS % 2 == 1:
         idx = idx | (_group_fields(first + HI, 1, BN, BKB) << HI)
-    if BITS == 2:
-        lo = tl.where((idx & 1) != 0, levels[1], levels[0])
-        hi = tl.where((idx & 1) != 0, levels[3], levels[2])
-        level = tl.where(idx >= 2, hi, lo)
-    else:
-        level = tl.load(codebook_ptr + idx)
+    level = tl.load(codebook_ptr + idx)  # a 16-128 byte table: L1 resident
     return tl.reshape(level * scale[:, :, None], [BN, BLOCK_K])  # k = 32 * block + lane
 
 
@@ -149,8 +129,7 @@ def kbit_dequant_kernel(
     """``w [N, K]`` (its dtype) from the packed weight; grid (N_pad / BLOCK_N, K_pad / BLOCK_K)."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     kb0 = tl.program_id(1) * (BLOCK_K // 32)
-    levels = codebook_levels(codebook_ptr, BITS)
-    w = dequant_tile(qweight_ptr, scales_ptr, codebook_ptr, levels, n, kb0, KBP, BITS, BLOCK_K)
+    w = dequant_tile(qweight_ptr, scales_ptr, codebook_ptr, n, kb0, KBP, BITS, BLOCK_K)
     k = kb0 * 32 + tl.arange(0, BLOCK_K)
     mask = (n < N)[:, None] & (k < K)[None, :]
     rows = n.to(tl.int64)[:, None] * K  # N * K may pass 2**31
@@ -173,7 +152,6 @@ def kbit_gemm_kernel(
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = (m < M)[:, None]
-    levels = codebook_levels(codebook_ptr, BITS)
     if SWAP:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
@@ -185,7 +163,7 @@ def kbit_gemm_kernel(
         k = kb0 * 32 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + k[None, :], mask=m_ok & (k < K)[None, :], other=0.0)
         w = dequant_tile(
-            qweight_ptr, scales_ptr, codebook_ptr, levels, n, kb0, KBP, BITS, BLOCK_K
+            qweight_ptr, scales_ptr, codebook_ptr, n, kb0, KBP, BITS, BLOCK_K
         ).to(x.dtype)
         if SWAP:
             acc = tl.dot(w, tl.trans(x), acc)
@@ -204,6 +182,9 @@ def kbit_gemm_kernel(
             tl.atomic_xchg(cnt, 0, sem="relaxed")
             # after the acquiring ticket every CTA's adds have landed in L2: read them past L1
             acc = tl.load(ws_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            # the accumulator's layout can hold an element in several threads: every thread
+            # reads its sums before any thread writes the zeros back
+            tl.debug_barrier()
             tl.store(ws_ptr + offs, tl.zeros_like(acc), mask=mask)
             _store(acc, out_ptr, bias_ptr, m, n, mask, N, stride_om, HAS_BIAS)
     else:

@@ -17,10 +17,10 @@ from config_only import config_folder
 import quantfw
 from quantfw.bench.configs import bundled_configs, read_hf_config, write_config_folder
 from quantfw.bench.measure import (
-    decode_read_bytes,
-    experts_read_fraction,
     BenchSettings,
     bound_cache_bytes,
+    decode_read_bytes,
+    experts_read_fraction,
     uncounted_layers,
     weight_bytes,
 )

@@ -4,19 +4,20 @@ by expert, with W dense ([E, N, K] in the activation dtype) or MXFP4 (the checkp
 
 One program computes a [BLOCK_M, BLOCK_N] tile of one expert's rows (`kernels.moe.BlockPlan`),
 gathering activation rows through the token index on the W13 side. MXFP4 weights are decoded
-into the dot's operand tile by tile in registers: a byte holds values 2j (low nibble) and 2j+1
-(high nibble), so the tile is split into its even and odd K columns and multiplied by the
-matching even and odd columns of the activations (two dots of BLOCK_K/2), with no nibble
-interleave. A code c becomes float32 bits ``sign << 31 | (c & 7) << 22`` (the E2M1 value times
-2**-126) times 2**127, i.e. twice its value exactly; the UE8M0 byte s becomes the float32 2**(s -
+into the dot's operand tile by tile in registers (`_decode_tile`): byte j of a row holds values
+2j (low nibble) and 2j+1 (high nibble), joined back into k order; a code c becomes float32 bits
+``sign << 31 | (c & 7) << 22`` (the E2M1 value times 2**-126) times 2**127, i.e. twice its value
+exactly; the UE8M0 byte s (one per 32 values, broadcast in registers) becomes the float32 2**(s -
 128) (a subnormal for s <= 1); their product rounds once, as `mxfp4.format.dequantize` does.
+Activation tiles are loaded contiguously.
 
 With ``SWAP`` the kernel computes the transposed tile ``W @ A.T``: the decoded weight tile is
-the MMA's first operand, which Hopper's wgmma reads from registers (no shared-memory round trip
-for the dequantized weights) and which fills wgmma's M >= 64 with BLOCK_N when only a few rows
-are routed to an expert. Configs: a decode shape (few rows per expert: BLOCK_M 16) and prefill
-shapes (BLOCK_M 64/128); `default_config` picks by rows per expert, and
-`benchmarks/bench_mxfp4.py --sweep` times others.
+the MMA's first operand, which Hopper's wgmma reads from registers and which fills wgmma's M >=
+64 with BLOCK_N when only a few rows are routed to an expert; ``DOT_SCALED`` (with SWAP) lets
+``tl.dot_scaled`` decode the E2M1 tile instead. `default_config` picks, by rows per expert, the
+one-row GEMV of `gemv.py` (decode), this kernel (a few rows), or dequantized experts and the
+dense kernel (prefill); `benchmarks/bench_mxfp4.py --sweep` times others, and
+`benchmarks/mxfp4-lab-log.md` has the measurements.
 """
 
 from __future__ import annotations

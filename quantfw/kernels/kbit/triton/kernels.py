@@ -162,9 +162,9 @@ def kbit_gemm_kernel(
         kb0 = step * (BLOCK_K // 32)
         k = kb0 * 32 + tl.arange(0, BLOCK_K)
         x = tl.load(x_rows + k[None, :], mask=m_ok & (k < K)[None, :], other=0.0)
-        w = dequant_tile(
-            qweight_ptr, scales_ptr, codebook_ptr, n, kb0, KBP, BITS, BLOCK_K
-        ).to(x.dtype)
+        w = dequant_tile(qweight_ptr, scales_ptr, codebook_ptr, n, kb0, KBP, BITS, BLOCK_K).to(
+            x.dtype
+        )
         if SWAP:
             acc = tl.dot(w, tl.trans(x), acc)
         else:

@@ -1,25 +1,20 @@
 """MXFP4 mixture-of-experts on one GPU: GPT-OSS-20B's expert shapes (E=32, top-4, H=2880,
-I=2880) for 1..4096 tokens, and (``--e2e``) the whole GPT-OSS-20B with dummy weights through the
-engine against its bf16-expert twin.
+I=2880), one whole MoE layer for 1..4096 tokens.
 
-Layer mode: for each token count, random router logits pick the experts; each method's full
-MoE layer (sort, W13 GEMM + bias, SwiGLU, W2 GEMM + bias, combine) is checked against the
+For each token count, random router logits pick the experts; each method's full MoE layer
+(sort, W13 GEMM + bias, SwiGLU, W2 GEMM + bias, combine) is checked against the
 dequantize-per-expert reference, then timed as CUDA-graph replays over weight copies rotated so
-L2 holds none (``kernels.common.timing``). Methods: our Triton grouped GEMM with MXFP4 experts,
-the same kernel with bf16 experts (the grouped baseline) and, with ``--sweep``, the best of a
-grid of kernel configs for each (a few minutes per token count). The floor is the time to read the experts actually routed to
-(MXFP4 blocks, scales and biases of each distinct expert, once) at the device's measured copy
-bandwidth. Targets (issue 19): decode (<= 16 tokens) within 1.5x the floor, prefill no slower
-than bf16.
+L2 holds none (``kernels.common.timing``). Methods: our Triton kernels with MXFP4 experts, the
+same kernels with bf16 experts (the grouped baseline) and, with ``--sweep``, the best of a grid
+of kernel configs for each (a few minutes per token count). The floor is the time to read the
+experts actually routed to (MXFP4 blocks, scales and biases of each distinct expert, once) at
+the device's measured copy bandwidth. Targets (issue 19): decode (<= 16 tokens) within 1.5x the
+floor, prefill no slower than bf16.
 
-E2E mode: batch-1 greedy decode of the bundled GPT-OSS-20B config (``quantfw/data/gpt_oss_20b``,
-dummy weights) through ``LLMEngine`` with CUDA graphs, MXFP4 experts and bf16 experts; the floor
-is the bytes one decode step reads (all non-expert weights but the embedding table, one
-embedding row, top-k experts per layer, the lm_head) at the measured bandwidth. Targets: >= 70%
-of the floor, MXFP4 >= 2x the bf16 twin.
+The whole model end to end is `quantfw bench gpt-oss-20b --methods fp16,mxfp4 --dtype bfloat16`
+(MXFP4 experts against the bf16-expert twin).
 
-    python benchmarks/bench_mxfp4.py --out $OUT/mxfp4-layer.json [--sweep]
-    python benchmarks/bench_mxfp4.py --e2e --out $OUT/mxfp4-e2e.json
+    python benchmarks/bench_mxfp4.py --out $OUT/mxfp4-layer.json [--sweep] [--sweep-tokens 1,4096]
 """
 
 from __future__ import annotations
@@ -29,8 +24,6 @@ import datetime
 import itertools
 import json
 import os
-import tempfile
-import time
 
 import torch
 
@@ -203,76 +196,6 @@ def layer_bench(args) -> dict:
     return {"bandwidth_GBps": round(bw / 1e9, 1), "rows": rows}
 
 
-def e2e_bench(args) -> dict:
-    from quantfw.engine import LLMEngine, SamplingParams
-
-    bundled = os.path.join(os.path.dirname(__file__), "..", "quantfw", "data", "gpt_oss_20b")
-    bw = copy_bandwidth()
-    results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        twin = os.path.join(tmp, "bf16")
-        os.makedirs(twin)
-        with open(os.path.join(bundled, "config.json")) as f:
-            cfg = json.load(f)
-        cfg.pop("quantization_config")
-        with open(os.path.join(twin, "config.json"), "w") as f:
-            json.dump(cfg, f)
-        for name, folder in (("mxfp4", bundled), ("bf16", twin)):
-            engine = LLMEngine(
-                folder, dtype=args.dtype, load_format="dummy", max_model_len=args.max_model_len,
-                max_num_seqs=1, cuda_graphs=True,
-            )  # fmt: skip
-            step_bytes = decode_step_bytes(engine.model)
-            params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
-            engine.add_request(list(range(100, 100 + args.prompt_len)), params)
-            times = []
-            while engine.has_unfinished():
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                engine.step()
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - start)
-            decode = sorted(times[2:])  # drop the prefill and the first decode step
-            median = decode[len(decode) // 2]
-            floor = step_bytes / bw
-            results[name] = {
-                "decode_tokens_per_s": round(1 / median, 1),
-                "step_ms": round(median * 1e3, 3),
-                "floor_ms": round(floor * 1e3, 3),
-                "fraction_of_floor": round(floor / median, 3),
-                "bytes_per_step_GB": round(step_bytes / 1e9, 3),
-            }
-            print(name, json.dumps(results[name]), flush=True)
-            del engine
-            torch.cuda.empty_cache()
-    results["mxfp4_speedup_over_bf16"] = round(
-        results["bf16"]["step_ms"] / results["mxfp4"]["step_ms"], 3
-    )
-    return {"bandwidth_GBps": round(bw / 1e9, 1), **results}
-
-
-def decode_step_bytes(model: torch.nn.Module) -> int:
-    """Bytes one batch-1 decode step must read: every tensor but the embedding table (one row)
-    and the experts (top-k of E per layer)."""
-    from quantfw.layers.moe import FusedMoE
-    from quantfw.layers.rotary import RotaryEmbedding
-    from quantfw.layers.vocab import ParallelLMHead, VocabParallelEmbedding
-
-    total = 0
-    for module in model.modules():
-        own = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
-        nbytes = sum(t.numel() * t.element_size() for t in own)
-        if isinstance(module, FusedMoE):
-            total += nbytes * module.top_k // module.num_experts
-        elif isinstance(module, RotaryEmbedding):
-            continue  # a few cos/sin rows
-        elif isinstance(module, VocabParallelEmbedding) and not isinstance(module, ParallelLMHead):
-            total += nbytes // module.num_embeddings
-        else:
-            total += nbytes
-    return total
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "mxfp4.json"))
@@ -282,10 +205,6 @@ def main() -> None:
     ap.add_argument(
         "--sweep-tokens", default=None, help="token counts to sweep (default: all of --tokens)"
     )
-    ap.add_argument("--e2e", action="store_true", help="GPT-OSS-20B through the engine instead")
-    ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--max-model-len", type=int, default=1024)
     args = ap.parse_args()
     args.tokens = [int(t) for t in args.tokens.split(",")]
     picked = args.sweep_tokens.split(",") if args.sweep_tokens else args.tokens
@@ -298,7 +217,7 @@ def main() -> None:
         "dtype": args.dtype,
         "shapes": {"experts": E, "top_k": TOP_K, "hidden": H, "intermediate": INTER},
     }
-    report.update(e2e_bench(args) if args.e2e else layer_bench(args))
+    report.update(layer_bench(args))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)

@@ -13,7 +13,8 @@ python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_mxfp4_triton.
 test_rc=$?
 python3 benchmarks/bench_mxfp4.py --out "$OUT/mxfp4-layer.json" "$@" 2>&1 | tee "$OUT/mxfp4-layer.log"
 layer_rc=$?
-python3 benchmarks/bench_mxfp4.py --e2e --out "$OUT/mxfp4-e2e.json" 2>&1 | tee "$OUT/mxfp4-e2e.log"
+python3 -m quantfw.entrypoints.cli bench gpt-oss-20b --methods fp16,mxfp4 --dtype bfloat16 \
+    --batch-sizes 1,16 --prompt-len 2048 --out-dir "$OUT" 2>&1 | tee "$OUT/mxfp4-e2e.log"
 e2e_rc=$?
 echo "tests rc=$test_rc layer rc=$layer_rc e2e rc=$e2e_rc"
 exit $(( test_rc | layer_rc | e2e_rc ))

@@ -44,7 +44,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "model",
         metavar="MODEL_OR_CONFIG",
-        help="a bundled config (qwen3-8b, tiny-llama), a folder with config.json, a config.json "
+        help="a bundled config (qwen3-8b, gpt-oss-20b, tiny-llama), a folder with config.json, a config.json "
         "file or a hub repo id (only its config.json is read)",
     )
     p.add_argument(

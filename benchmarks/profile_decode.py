@@ -2,7 +2,7 @@
 Qwen3-8B-shaped model (dummy weights), kernels grouped by kind, next to the step's wall time and
 the bandwidth floor (weight bytes / measured copy bandwidth).
 
-    python benchmarks/profile_decode.py --layers 36 --methods fp16,awq --batch-sizes 1,16
+    python benchmarks/profile_decode.py --layers 36 --methods fp16,awq,kbit4 --batch-sizes 1,16
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ KINDS = [
     ("rope", r"qk_norm_rope|rope"),
     ("silu*mul", r"silu"),
     ("all-reduce", r"nccl|allreduce|all_reduce"),
+    ("kbit", r"kbit"),
     ("w4a16", r"w4a16|mma|wgmma|ring|dequant"),
     ("gemm", r"gemm|gemv|cutlass|sm90|xmma|cublas|splitK|Kernel2"),
     ("copy/index", r"copy|index|gather|elementwise|fill|cat|arange"),
@@ -215,10 +216,12 @@ def main() -> None:
             path = make_model_dir(root, args.layers, method)
             for max_len in lens:
                 t0 = time.perf_counter()
+                kbit = re.fullmatch(r"kbit(\d)", method)  # quantized while loading
+                quant = {"quantization": "kbit", "quantization_args": {"bits": int(kbit[1])}}
                 engine = LLMEngine(
                     path, dtype="float16", load_format="dummy", max_model_len=max_len,
                     max_num_seqs=16, tokenizer=None, gpu_memory_utilization=0.85,
-                    decode_window=args.decode_window,
+                    decode_window=args.decode_window, **(quant if kbit else {}),
                 )  # fmt: skip
                 load_s = time.perf_counter() - t0
                 wb = weight_bytes(engine.model)

@@ -87,13 +87,29 @@ def test_configs_and_their_checks():
         assert cands[0] == C.default_config(M, 4096, 4096, 4) and len(set(cands)) == len(cands)
         for cfg in cands:
             assert C.check_config(cfg) == cfg
-    # few tokens: swapped fused tiles; then fused; large M: dequantize + cuBLAS
-    kinds = [C.default_config(M, 64, 64, 4)[::7] for M in (1, 16, 33, 64, 128, 129, 4096)]
-    assert kinds == [("fused", True)] * 4 + [("fused", False), ("deq",), ("deq",)]
+    # few tokens: the mma kernel (K = 2, 4) or swapped fused tiles (K = 3, 5); then fused;
+    # large M: dequantize + cuBLAS
+    Ms = (1, 16, 33, 64, 128, 129, 4096)
+    kinds = [C.default_config(M, 64, 64, 4)[::7] for M in Ms]
+    assert kinds == [("mma",)] * 2 + [("fused", True)] * 2 + [("fused", False), ("deq",), ("deq",)]
+    assert [C.default_config(M, 64, 64, 2)[0] for M in Ms[:3]] == ["mma", "mma", "fused"]
+    # table copies per lane for one token tile on large weights
+    copies = [C.default_config(M, N, 4096, b)[4] for M, N, b in
+              ((1, 24576, 4), (8, 12288, 2), (1, 4096, 4), (9, 24576, 4))]  # fmt: skip
+    assert copies == [32, 16, 1, 1]
+    for bits in (3, 5):
+        assert [C.default_config(M, 64, 64, bits)[::7] for M in Ms[:2]] == [("fused", True)] * 2
+        assert all(c[0] != "mma" for M in (1, 64) for c in C.candidate_configs(M, bits))
+        assert C.candidate_configs(1, bits)[0] == C.default_config(1, 64, 64, bits)
     for M in (1, 64):  # both MMA orientations are tuning candidates where few tokens run
         assert {c[7] for c in C.candidate_configs(M) if c[0] == "fused"} == {True, False}
-    with pytest.raises(ValueError, match=r"here: unknown kernel kind 'mma'; kinds: fused, deq"):
-        C.check_config(("mma", 1), "here")
+        assert any(c[0] == "mma" for c in C.candidate_configs(M, 2))
+    with pytest.raises(ValueError, match=r"here: unknown kernel kind 'wg'; kinds: mma, fused, deq"):
+        C.check_config(("wg", 1), "here")
+    with pytest.raises(ValueError, match="chunk=6 must be 4 or 8 blocks"):
+        C.check_config(("mma", 4, 6, 4, 1, False))
+    with pytest.raises(ValueError, match="copies=3 must be a power of two <= 32"):
+        C.check_config(("mma", 4, 4, 4, 3, False))
     with pytest.raises(ValueError, match="block_n=256 must be 16, 32, 64 or 128"):
         C.check_config(("fused", 16, 256, 64, 4, 2, 4, False))
     with pytest.raises(ValueError, match="block_k=512 must be 64, 128 or 256"):
@@ -183,6 +199,73 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     compile_(KK.kbit_repack_kernel, _REPACK_SIGNATURE, {"BITS": 4, "BLOCKS": 128})
 
 
+_MMA_SIGNATURE = {
+    "x_ptr": "*i32", "q_ptr": "*i32", "s_ptr": "*i32", "lut_ptr": "*i32", "bias_ptr": "*fp16",
+    "out_ptr": "*fp16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32",
+    "K2": "i32", "NB": "i32", "KBP": "i32", "n_iter": "i32", "stride_xm": "i32",
+    "stride_om": "i32",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("bits,tm,copies", [(4, 8, 32), (2, 16, 1)])
+def test_mma_kernel_compiles_for_sm90_without_a_gpu(bits, tm, copies):
+    """The Gluon kernel (inline PTX, which no interpreter runs) through Triton's bundled
+    ptxas: its table is the only shared-memory allocation, so it starts at ``global_smem``."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from quantfw.kernels.kbit.triton import mma as KM
+
+    consts = dict(W=4, CH=4, TM=tm, SPLIT=2, COPIES=copies, BITS=bits, PIPE=False,
+                  MASK_N=True, MASK_K=True, HAS_BIAS=True, IS_BF16=bits == 2)  # fmt: skip
+    fn = KM.kbit_mma_kernel
+    sig = {**_MMA_SIGNATURE, **{k: "constexpr" for k in consts}}
+    src = GluonASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert kernel.metadata.shared == 256 * copies * (2 if bits == 2 else 1) * 4
+    ptx = kernel.asm["ptx"]
+    assert "mma.sync.aligned.m16n8k16" in ptx and "ld.shared" in ptx
+    # the table's stores: every shared store before the first barrier addresses global_smem
+    fill = ptx[: ptx.index("bar.sync")]
+    assert "st.shared" in fill and "global_smem" in fill
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_mma_lookup_math_on_cpu(bits, dtype):
+    """The mma kernel's decode, step by step in torch: lane c of a column reads its word
+    (K = 4: word c; K = 2: half c % 2 of word c // 2), each byte indexes the table, and the
+    E4M4 byte shifted left by 6 is the fp16 absmax / 16. The weight it rebuilds is the
+    reference's (levels rounded to `dtype` once)."""
+    from quantfw.kernels.kbit.triton.mma import lookup_table
+
+    N, K = 24, 256
+    planes, absmax, cb, ref = random_weight(N, K, bits, seed=bits + 11)
+    w = layout.repack(planes, absmax, cb)
+    lut = lookup_table(w.codebook, bits, dtype)  # [256, 32 / (8 bits) words]
+    kbp = w.padded_blocks
+    words = w.qweight.reshape(-1, kbp, bits).to(torch.int64) & 0xFFFFFFFF
+    rebuilt = torch.empty(N, kbp, 32)
+    for c in range(4):  # lane c supplies elements 8c .. 8c + 7 of every block
+        src = words[:, :, c] if bits == 4 else (words[:, :, c // 2] >> (16 * (c % 2))) & 0xFFFF
+        nbytes = 4 if bits == 4 else 2
+        for byte in range(nbytes):
+            entry = lut[((src >> (8 * byte)) & 0xFF)]  # [N_pad, kbp, words]
+            half = torch.stack([entry & 0xFFFF, (entry >> 16) & 0xFFFF], -1).flatten(-2)
+            vals = half.to(torch.int16).view(dtype).float()  # 16 * level, 8 / nbytes of them
+            per = 8 // nbytes
+            rebuilt[:, :, 8 * c + per * byte : 8 * c + per * (byte + 1)] = vals[:N]
+    scale16 = (w.scales.to(torch.int32) << 6).to(torch.int16).view(torch.float16).float()
+    rebuilt = (rebuilt * scale16[:N, :, None]).reshape(N, -1)[:, :K]
+    levels = cb.to(dtype).float()[None, :]
+    want = kfmt.dequantize(planes, absmax, levels[0]).reshape(N, K)
+    assert torch.equal(rebuilt, want)
+    assert ((rebuilt - ref).norm() / ref.norm()).item() < (
+        4e-3 if dtype == torch.bfloat16 else 5e-4
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU
 
@@ -235,7 +318,11 @@ def test_gpu_configs_match_reference(bits, N, K, dtype):
         x = torch.randn(M, K, device="cuda", generator=gen).to(dtype)
         bias = torch.randn(N, device="cuda", generator=gen).to(dtype)
         want = x.double() @ ref.double().t() + bias.double()
-        configs = _with_both_swaps({C.default_config(M, N, K, bits), *C.candidate_configs(M)[:3]})
+        cands = C.candidate_configs(M, bits)
+        fused = [c for c in cands if c[0] != "mma"]
+        configs = _with_both_swaps({C.default_config(M, N, K, bits), *fused[:3]})
+        # every mma candidate (tables, chunks, prefetch), M = 7, 16 both token tiles of 8
+        configs |= {c for c in cands if c[0] == "mma"}
         assert {c[7] for c in configs if c[0] == "fused"} == {True, False}
         for cfg in sorted(configs, key=repr):
             out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)

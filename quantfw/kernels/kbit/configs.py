@@ -4,6 +4,12 @@ a GPU or Triton.
 
 Config tuples:
 
+* ``("mma", warps, chunk, ctas_per_sm, copies, pipe)`` (K = 2 and 4, few tokens):
+  ``kbit_mma_kernel`` (``triton/mma.py``: codebook lookups from a shared-memory table into
+  ``mma.sync`` fragments), ``warps`` 64-column blocks per CTA, ``chunk`` blocks of 32 per K
+  step (4 or 8), split-K chosen to fill ``ctas_per_sm`` CTAs per SM, ``copies`` of the table
+  (1..32) against bank conflicts, ``pipe``: the next chunk's loads issued before this one's
+  math;
 * ``("fused", block_m, block_n, block_k, warps, stages, ctas_per_sm, swap)``:
   ``kbit_gemm_kernel`` (weights decoded tile by tile in registers, ``tl.dot``), ``block_m``
   tokens (>= 16), ``block_n`` columns (16..128, dividing the layout's N padding of 128),
@@ -21,6 +27,8 @@ from quantfw.kernels.common.tables import check_fields, m_bucket
 __all__ = ["CONFIG_FIELDS", "candidate_configs", "check_config", "default_config", "m_bucket"]
 
 CONFIG_FIELDS: dict[str, tuple[tuple[str, type], ...]] = {
+    "mma": (("warps", int), ("chunk", int), ("ctas_per_sm", int), ("copies", int),
+            ("pipe", bool)),
     "fused": (("block_m", int), ("block_n", int), ("block_k", int), ("warps", int),
               ("stages", int), ("ctas_per_sm", int), ("swap", bool)),
     "deq": (("block_n", int), ("block_k", int), ("warps", int)),
@@ -29,6 +37,15 @@ CONFIG_FIELDS: dict[str, tuple[tuple[str, type], ...]] = {
 BLOCK_KS = (64, 128, 256)  # divide layout.PAD_K
 #: the largest M the fused kernel serves by default; larger M dequantizes and calls cuBLAS
 FUSED_DEFAULT_MAX_M = 128
+#: bits the mma kernel serves (2- and 4-bit fields; K = 3, 5 add a 1-bit word), and the
+#: largest M it serves by default
+MMA_BITS = (2, 4)
+MMA_DEFAULT_MAX_M = 16
+
+
+DEFAULT_MMA = ("mma", 4, 4, 4, 1, False)
+#: weights (N x K) from which few tokens read the mma kernel's table from per-lane copies
+MMA_COPIES_MIN_WEIGHTS = 32 * 2**20
 
 
 def _pow2(v: int) -> bool:
@@ -39,6 +56,14 @@ def check_config(cfg: tuple, where: str = "kbit config") -> tuple:
     """``cfg`` if it is a well-formed kbit config; a ValueError naming ``where`` otherwise."""
     cfg = check_fields(cfg, CONFIG_FIELDS, where)
     fields = dict(zip((n for n, _ in CONFIG_FIELDS[cfg[0]]), cfg[1:]))
+    if cfg[0] == "mma":
+        if fields["warps"] not in (1, 2, 4, 8):
+            raise ValueError(f"{where}: warps={fields['warps']} must be 1, 2, 4 or 8")
+        if fields["chunk"] not in (4, 8):
+            raise ValueError(f"{where}: chunk={fields['chunk']} must be 4 or 8 blocks")
+        if fields["copies"] not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"{where}: copies={fields['copies']} must be a power of two <= 32")
+        return cfg
     if fields["block_n"] > 128 or not _pow2(fields["block_n"]) or fields["block_n"] < 16:
         raise ValueError(f"{where}: block_n={fields['block_n']} must be 16, 32, 64 or 128")
     if fields["block_k"] not in BLOCK_KS:
@@ -49,8 +74,14 @@ def check_config(cfg: tuple, where: str = "kbit config") -> tuple:
 
 
 def default_config(M: int, N: int, K: int, bits: int) -> tuple:
-    """The heuristic config of an untuned call (few tokens: swapped fused tiles; up to
-    ``FUSED_DEFAULT_MAX_M``: fused; beyond: dequantize + cuBLAS)."""
+    """The heuristic config of an untuned call (few tokens: the mma kernel for K = 2, 4,
+    swapped fused tiles otherwise; up to ``FUSED_DEFAULT_MAX_M``: fused; beyond: dequantize +
+    cuBLAS)."""
+    if M <= MMA_DEFAULT_MAX_M and bits in MMA_BITS:
+        # a table copy per bank pays for its fill on large weights with one token tile of 8
+        if M <= 8 and N * K >= MMA_COPIES_MIN_WEIGHTS:
+            return ("mma", 4, 4, 4, 32 if bits == 4 else 16, False)
+        return DEFAULT_MMA
     if M <= 16:
         return ("fused", 16, 128, 128, 8, 1, 4, True)
     if M <= 32:
@@ -62,8 +93,8 @@ def default_config(M: int, N: int, K: int, bits: int) -> tuple:
     return ("deq", 128, 128, 8)
 
 
-def candidate_configs(M: int) -> list[tuple]:
-    """The small set tried by tune() for one M bucket (the default first)."""
+def candidate_configs(M: int, bits: int = 4) -> list[tuple]:
+    """The small set tried by tune() for one M bucket and bit width (the default first)."""
     deq = [("deq", 128, 128, 8), ("deq", 64, 256, 4)]
     if M <= 16:
         cands = [
@@ -89,5 +120,13 @@ def candidate_configs(M: int) -> list[tuple]:
         ] + deq[:1]
     else:
         cands = [("fused", 128, 128, 64, 8, 3, 1, False)] + deq
-    default = default_config(M, 0, 0, 0)
+    if M <= 64 and bits in MMA_BITS:
+        cands = [
+            DEFAULT_MMA,
+            ("mma", 4, 4, 4, 32 if bits == 4 else 16, False),
+            ("mma", 4, 4, 2, 1, False),
+            ("mma", 4, 4, 8, 1, False),
+            ("mma", 4, 8, 4, 4, True),
+        ] + cands
+    default = default_config(M, 0, 0, bits)
     return [default] + [c for c in cands if c != default]

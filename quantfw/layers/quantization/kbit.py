@@ -261,8 +261,21 @@ class KbitLinearMethod(LinearMethodBase):
             _, planes, absmax, codebook = self._flat(layer)
             weight = kfmt.dequantize(planes, absmax, codebook).reshape(planes.shape[0], -1)
             return F.linear(x, weight.to(x.dtype), bias)
-        in_features, out_features = layer.kbit_features
-        weight = kbit.KbitWeight(
-            layer.kbit_qweight, layer.kbit_scales, layer.kbit_codebook, in_features, out_features
-        )
-        return kbit.kbit_matmul(x, weight, bias)
+        return kbit.kbit_matmul(x, self._weight(layer), bias)
+
+    @staticmethod
+    def _weight(layer: nn.Module) -> kbit.KbitWeight:
+        """The layer's `KbitWeight`, kept across calls (the kernels cache per-weight tables on
+        it) and rebuilt only when the buffers were replaced (``module.to``)."""
+        weight = layer.__dict__.get("_kbit_weight")
+        if weight is None or weight.qweight is not layer.kbit_qweight:
+            in_features, out_features = layer.kbit_features
+            weight = kbit.KbitWeight(
+                layer.kbit_qweight,
+                layer.kbit_scales,
+                layer.kbit_codebook,
+                in_features,
+                out_features,
+            )
+            layer.__dict__["_kbit_weight"] = weight
+        return weight

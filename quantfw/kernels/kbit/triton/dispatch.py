@@ -1,4 +1,5 @@
-"""kbit on CUDA: launching the Triton kernels of ``kernels.py``, config choice, tuning.
+"""kbit on CUDA: launching the Triton kernels of ``kernels.py`` and the Gluon kernel of
+``mma.py``, config choice, tuning.
 
 A call's config: the one ``tune()`` cached for its (M bucket, N, K, bits, dtype, device) in this
 process, else the tuned table of this GPU model (``kbit.tables``), else the heuristic
@@ -27,6 +28,7 @@ from quantfw.kernels.kbit.triton.kernels import (
     kbit_gemm_kernel,
     kbit_repack_kernel,
 )
+from quantfw.kernels.kbit.triton.mma import kbit_mma_matmul, lookup_table
 
 _CONFIG_CACHE: dict[tuple, tuple] = {}
 #: (column, block) pairs per repack program; divides every N_pad * KB_pad (a multiple of 128 * 8)
@@ -78,11 +80,17 @@ def gemm(
     sms: int | None = None,
 ) -> torch.Tensor:
     """``x2 [M, K] @ W.T (+ bias)`` with the config `cfg` (x2 contiguous, fp16 or bf16)."""
+    if cfg[0] == "mma":
+        _, warps, chunk, ctas_per_sm, copies, pipe = cfg
+        return kbit_mma_matmul(
+            x2, weight.qweight, weight.scales, _lookup_table(weight, x2.dtype),
+            weight.out_features, weight.bits, bias, warps, chunk, ctas_per_sm, copies, pipe,
+        )  # fmt: skip
     if cfg[0] == "deq":
         _, block_n, block_k, warps = cfg
         return F.linear(x2, dequantize(weight, x2.dtype, block_n, block_k, warps), bias)
     if cfg[0] != "fused":
-        raise ValueError(f"kbit: unknown kernel config {cfg!r}; kinds: fused, deq")
+        raise ValueError(f"kbit: unknown kernel config {cfg!r}; kinds: mma, fused, deq")
     _, bm, bn, bk, warps, stages, ctas_per_sm, swap = cfg
     M, K = x2.shape
     N = weight.out_features
@@ -103,6 +111,16 @@ def gemm(
         HAS_BIAS=bias is not None, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
+
+
+def _lookup_table(weight: KbitWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The mma kernel's table of `weight`'s codebook in `dtype`, built on first use (warm-up,
+    before any CUDA graph capture) and kept with the weight."""
+    luts = weight.__dict__.setdefault("_mma_luts", {})
+    lut = luts.get(dtype)
+    if lut is None:
+        lut = luts[dtype] = lookup_table(weight.codebook, weight.bits, dtype)
+    return lut
 
 
 def _key(x2: torch.Tensor, weight: KbitWeight) -> tuple:
@@ -143,7 +161,7 @@ def tune(x2, weight: KbitWeight, bias=None, rep_ms: float = 20.0, bench=None) ->
     warm-up, never on the hot path). `bench(cfg)`, when given, returns the time of one call
     with `cfg`: pass one that rotates weight copies past L2."""
     best = fastest_config(
-        candidate_configs(x2.shape[0]),
+        candidate_configs(x2.shape[0], weight.bits),
         lambda cfg: kbit_matmul_cuda(x2, weight, bias, config=cfg),
         bench,
         rep_ms,

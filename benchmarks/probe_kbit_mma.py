@@ -1,0 +1,121 @@
+"""GPU probe of the kbit Gluon mma kernel (``kbit/triton/mma.py``): correctness against the
+float32 reference over M, bits, dtypes and configs, then timings (CUDA-graph replays over
+weights rotated past L2) against the Triton fused kernel, fp16 cuBLAS and the bandwidth floor.
+
+    python benchmarks/probe_kbit_mma.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import sys
+
+import torch
+
+from quantfw.kernels.common import timing
+from quantfw.kernels.kbit import layout
+from quantfw.kernels.kbit.triton import dispatch
+from quantfw.kernels.kbit.triton import mma as KM
+from quantfw.kernels.kbit.triton.tuning import random_kbit
+
+
+def check(N, K, bits, M, dtype, cfg, bias):
+    w = random_kbit(N, K, bits, "cuda")
+    ref_w = layout.dequantize_weight(w, torch.float32)
+    x = torch.randn(M, K, device="cuda", dtype=dtype)
+    b = torch.randn(N, device="cuda", dtype=dtype) if bias else None
+    lut = KM.lookup_table(w.codebook, bits, dtype)
+    out = KM.kbit_mma_matmul(x, w.qweight, w.scales, lut, N, bits, b, **cfg)
+    out2 = KM.kbit_mma_matmul(x, w.qweight, w.scales, lut, N, bits, b, **cfg)  # clean buffers
+    ref = x.float() @ ref_w.t() + (b.float() if bias else 0)
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    err2 = ((out2.float() - ref).norm() / ref.norm()).item()
+    finite = bool(torch.isfinite(out).all())
+    return max(err, err2), finite
+
+
+CONFIGS = {
+    "r1": ("mma", 4, 4, 4, 1, False),
+    "r1p": ("mma", 4, 4, 4, 1, True),
+    "r4": ("mma", 4, 4, 4, 4, False),
+    "rmax": ("mma", 4, 4, 4, 32, False),
+    "c8": ("mma", 4, 8, 4, 1, False),
+    "w2": ("mma", 2, 4, 8, 1, False),
+    "w8": ("mma", 8, 4, 2, 1, False),
+    "s2": ("mma", 4, 4, 2, 1, False),
+    "s8": ("mma", 4, 4, 8, 1, False),
+}
+
+
+def time_shape(K, N, bits, M, l2):
+    """Times (us) of fp16 cuBLAS, the default config before the mma kernel, and CONFIGS."""
+    nbytes = layout.tiled_nbytes(N, K, bits)
+    ws = [random_kbit(N, K, bits, "cuda") for _ in range(timing.n_copies(nbytes, l2))]
+    n_dense = timing.n_copies(N * K * 2, l2)
+    dense = [torch.randn(N, K, device="cuda", dtype=torch.float16) for _ in range(n_dense)]
+    x = torch.randn(M, K, device="cuda", dtype=torch.float16)
+    fused = ("fused", 16, 128, 128, 8, 1, 4, True)
+    methods = [[functools.partial(torch.nn.functional.linear, x, d) for d in dense]]
+    for cfg in [fused, *CONFIGS.values()]:
+        if cfg[4] == 32 and bits == 2:
+            cfg = (*cfg[:4], 16, cfg[5])
+        methods.append([functools.partial(dispatch.kbit_matmul_cuda, x, w, None, cfg) for w in ws])
+    return timing.graph_times(methods, timing.rough_time_us(nbytes, M, N, K))
+
+
+def main():
+    argparse.ArgumentParser(description=__doc__).parse_args()
+    torch.manual_seed(0)
+    fails = 0
+    cases = []
+    for bits, dtype in itertools.product((4, 2), (torch.float16, torch.bfloat16)):
+        for M in (1, 3, 8, 9, 16):
+            cases.append((384, 1024, bits, M, dtype, {}, M == 3))
+    for bits in (4, 2):
+        for cfg in (
+            dict(copies=32 if bits == 4 else 16),
+            dict(chunk=8),
+            dict(pipe=True),
+            dict(warps=8, ctas_per_sm=2),
+            dict(copies=4, pipe=True, chunk=8),
+        ):
+            cases.append((640, 2080, bits, 5, torch.float16, cfg, True))
+            cases.append((4096, 4096, bits, 1, torch.bfloat16, cfg, False))
+    for N, K, bits, M, dtype, cfg, bias in cases:
+        try:
+            err, finite = check(N, K, bits, M, dtype, cfg, bias)
+            ok = finite and err < 3e-3
+        except Exception as e:  # noqa: BLE001
+            err, ok = repr(e)[:300], False
+        fails += not ok
+        print(
+            f"{'ok  ' if ok else 'FAIL'} N={N} K={K} bits={bits} M={M} {str(dtype)[6:]} {cfg} bias={bias}: {err}"
+        )
+    print(f"correctness: {len(cases) - fails}/{len(cases)} ok", flush=True)
+
+    # timings: Qwen3-8B shapes, M = 1 (and 16)
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    shapes = [
+        ("qkv", 4096, 6144),
+        ("o", 4096, 4096),
+        ("gate_up", 4096, 24576),
+        ("down", 12288, 4096),
+    ]
+    head = " ".join(f"{k:>7}" for k in CONFIGS)
+    print(
+        f"{'shape':8} {'bits':4} {'M':>3} {'fp16':>7} {'fused':>7} {head}  floor (us at 3.9 TB/s)"
+    )
+    for (name, K, N), bits, M in itertools.product(shapes, (4, 2), (1, 16)):
+        ts = time_shape(K, N, bits, M, l2)
+        floor = layout.tiled_nbytes(N, K, bits) / 3.9e6
+        print(
+            f"{name:8} {bits:4} {M:3} " + " ".join(f"{t:7.1f}" for t in ts) + f"  {floor:.1f}",
+            flush=True,
+        )
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

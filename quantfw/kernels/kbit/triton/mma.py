@@ -37,6 +37,7 @@ from triton.experimental.gluon import constexpr_function
 from triton.experimental.gluon import language as gl
 
 from quantfw.kernels.kbit.configs import MMA_BITS
+from quantfw.kernels.kbit.layout import _as_int32
 from quantfw.kernels.w4a16.triton.mma import (
     _mma,
     _tile_coords,
@@ -50,7 +51,6 @@ from quantfw.kernels.w4a16.triton.mma import (
 
 #: elements per chunk of the K loop are CH blocks of 32; scales come as 4 blocks per word
 SCALE_BLOCKS = gl.constexpr(4)
-_SCALE_BLOCKS = 4
 
 
 @constexpr_function
@@ -291,9 +291,8 @@ def lookup_table(codebook: torch.Tensor, bits: int, dtype: torch.dtype) -> torch
     f = 8 // bits  # fields per byte, lowest bits first
     fields = (byte[:, None] >> (bits * torch.arange(f, device=byte.device))) & ((1 << bits) - 1)
     half = (16 * codebook.to(torch.float32)[fields]).to(dtype).view(torch.int16)
-    half = half.to(torch.int32) & 0xFFFF
-    words = half[:, 0::2] | (half[:, 1::2] << 16)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
+    half = half.to(torch.int64) & 0xFFFF
+    return _as_int32(half[:, 0::2] | (half[:, 1::2] << 16)).contiguous()
 
 
 def kbit_mma_matmul(
@@ -317,7 +316,7 @@ def kbit_mma_matmul(
     memory (1..32, a power of two), ``warps`` 64-column blocks per CTA."""
     if bits not in MMA_BITS:
         raise ValueError(f"kbit mma kernel: bits must be one of {MMA_BITS}, got {bits}")
-    if chunk % _SCALE_BLOCKS or chunk <= 0:
+    if chunk % SCALE_BLOCKS.value or chunk <= 0:
         raise ValueError(f"kbit mma kernel: chunk={chunk} blocks must be a multiple of 4")
     if copies not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"kbit mma kernel: copies={copies} must be a power of two <= 32")

@@ -1,6 +1,7 @@
 """GPU probe of the kbit Gluon mma kernel (``kbit/triton/mma.py``): correctness against the
 float32 reference over M, bits, dtypes and configs, then timings (CUDA-graph replays over
-weights rotated past L2) against the Triton fused kernel, fp16 cuBLAS and the bandwidth floor.
+weights rotated past L2) against the Triton fused kernel, dequantize + cuBLAS, fp16 cuBLAS and
+the bandwidth floor.
 
     python benchmarks/probe_kbit_mma.py
 """
@@ -36,32 +37,48 @@ def check(N, K, bits, M, dtype, cfg, bias):
     return max(err, err2), finite
 
 
+#: name: (mma config, register cap or None)
 CONFIGS = {
-    "r1": ("mma", 4, 4, 4, 1, False),
-    "r1p": ("mma", 4, 4, 4, 1, True),
-    "r4": ("mma", 4, 4, 4, 4, False),
-    "rmax": ("mma", 4, 4, 4, 32, False),
-    "c8": ("mma", 4, 8, 4, 1, False),
-    "w2": ("mma", 2, 4, 8, 1, False),
-    "w8": ("mma", 8, 4, 2, 1, False),
-    "s2": ("mma", 4, 4, 2, 1, False),
-    "s8": ("mma", 4, 4, 8, 1, False),
+    "r1": (("mma", 4, 4, 4, 1, False), None),
+    "rmax": (("mma", 4, 4, 4, 32, False), None),
+    "rmax128": (("mma", 4, 4, 4, 32, False), 128),
+    "rmaxp": (("mma", 4, 4, 4, 32, True), None),
+    "rmaxp128": (("mma", 4, 4, 4, 32, True), 128),
+    "r4p": (("mma", 4, 4, 4, 4, True), None),
+    "c8": (("mma", 4, 8, 4, 1, False), None),
+    "s3": (("mma", 4, 4, 3, 32, False), None),
+    "w2": (("mma", 2, 4, 8, 1, False), None),
+    "w2p128": (("mma", 2, 4, 8, 4, True), 128),
 }
 
 
+def _mma_call(x, w, cfg, maxnreg):
+    """The mma kernel with an explicit config and register cap."""
+    _, warps, chunk, ctas, copies, pipe = cfg
+    if copies == 32 and w.bits == 2:
+        copies = 16
+    lut = dispatch._lookup_table(w, x.dtype)
+    return functools.partial(
+        KM.kbit_mma_matmul, x, w.qweight, w.scales, lut, w.out_features, w.bits, None,
+        warps, chunk, ctas, copies, pipe, maxnreg,
+    )  # fmt: skip
+
+
 def time_shape(K, N, bits, M, l2):
-    """Times (us) of fp16 cuBLAS, the default config before the mma kernel, and CONFIGS."""
+    """Times (us) of fp16 cuBLAS, dequantize + cuBLAS, the default config before the mma
+    kernel, and CONFIGS."""
     nbytes = layout.tiled_nbytes(N, K, bits)
     ws = [random_kbit(N, K, bits, "cuda") for _ in range(timing.n_copies(nbytes, l2))]
     n_dense = timing.n_copies(N * K * 2, l2)
     dense = [torch.randn(N, K, device="cuda", dtype=torch.float16) for _ in range(n_dense)]
     x = torch.randn(M, K, device="cuda", dtype=torch.float16)
     fused = ("fused", 16, 128, 128, 8, 1, 4, True)
+    deq = ("deq", 128, 128, 8)
     methods = [[functools.partial(torch.nn.functional.linear, x, d) for d in dense]]
-    for cfg in [fused, *CONFIGS.values()]:
-        if cfg[4] == 32 and bits == 2:
-            cfg = (*cfg[:4], 16, cfg[5])
+    for cfg in [deq, fused]:
         methods.append([functools.partial(dispatch.kbit_matmul_cuda, x, w, None, cfg) for w in ws])
+    for cfg, maxnreg in CONFIGS.values():
+        methods.append([_mma_call(x, w, cfg, maxnreg) for w in ws])
     return timing.graph_times(methods, timing.rough_time_us(nbytes, M, N, K))
 
 
@@ -80,6 +97,7 @@ def main():
             dict(pipe=True),
             dict(warps=8, ctas_per_sm=2),
             dict(copies=4, pipe=True, chunk=8),
+            dict(copies=4, pipe=True, maxnreg=128),
         ):
             cases.append((640, 2080, bits, 5, torch.float16, cfg, True))
             cases.append((4096, 4096, bits, 1, torch.bfloat16, cfg, False))
@@ -105,7 +123,8 @@ def main():
     ]
     head = " ".join(f"{k:>7}" for k in CONFIGS)
     print(
-        f"{'shape':8} {'bits':4} {'M':>3} {'fp16':>7} {'fused':>7} {head}  floor (us at 3.9 TB/s)"
+        f"{'shape':8} {'bits':4} {'M':>3} {'fp16':>7} {'deq':>7} {'fused':>7} {head}"
+        "  floor (us at 3.9 TB/s)"
     )
     for (name, K, N), bits, M in itertools.product(shapes, (4, 2), (1, 16)):
         ts = time_shape(K, N, bits, M, l2)

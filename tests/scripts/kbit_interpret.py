@@ -42,11 +42,11 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     cases = [(2, 200, 320), (3, 72, 288), (4, 136, 192), (5, 64, 480)]  # bits, N, K (padded)
     # (config, SMs, M): split-K off and on, SWAP off and on, 16- and 32-token tiles, 32..128
-    # columns, block_k 64..256, several token tiles, and the deq path
+    # columns, block_k 128 and 256, several token tiles, and the deq path
     runs = [
-        (("fused", 16, 64, 64, 4, 1, 1, False), 1, 1),
+        (("fused", 16, 64, 128, 4, 1, 1, False), 1, 1),
         (("fused", 16, 32, 128, 4, 2, 64, True), 16, 3),
-        (("fused", 32, 128, 64, 4, 2, 64, False), 16, 17),
+        (("fused", 32, 128, 128, 4, 2, 64, False), 16, 17),
         (("fused", 16, 64, 256, 4, 2, 1, True), 1, 40),
         (("deq", 64, 128, 4), 1, 19),
     ]
@@ -59,7 +59,7 @@ def main() -> None:
         check(torch.equal(got.qweight, ref.qweight), f"repack qweight bits={bits} N={N} K={K}")
         check(torch.equal(got.scales, ref.scales), f"repack scales bits={bits} N={N} K={K}")
         w_ref = kfmt.dequantize(planes, absmax, cb, torch.float32)
-        for bn, bk in ((128, 64), (32, 256)):
+        for bn, bk in ((128, 128), (32, 256)):
             d = dispatch.dequantize(ref, torch.float32, bn, bk, 4)
             check(torch.equal(d, w_ref), f"dequantize bits={bits} block {bn}x{bk}")
         d16 = dispatch.dequantize(ref, torch.float16, 64, 128, 4)

@@ -13,7 +13,8 @@ Config tuples:
 * ``("fused", block_m, block_n, block_k, warps, stages, ctas_per_sm, swap)``:
   ``kbit_gemm_kernel`` (weights decoded tile by tile in registers, ``tl.dot``), ``block_m``
   tokens (>= 16), ``block_n`` columns (16..128, dividing the layout's N padding of 128),
-  ``block_k`` inputs (64, 128 or 256, dividing the K padding of 256); split-K chosen to fill
+  ``block_k`` inputs (128 or 256: whole quads of blocks, dividing the K padding of 256);
+  split-K chosen to fill
   ``ctas_per_sm`` CTAs per SM; ``swap``: compute ``W @ x.T`` (the decoded weight tile is the
   MMA's first operand, read from registers by Hopper's wgmma; block_n fills its M >= 64);
 * ``("deq", block_n, block_k, warps)``: ``kbit_dequant_kernel`` writes a transient dense
@@ -34,7 +35,7 @@ CONFIG_FIELDS: dict[str, tuple[tuple[str, type], ...]] = {
     "deq": (("block_n", int), ("block_k", int), ("warps", int)),
 }  # fmt: skip
 
-BLOCK_KS = (64, 128, 256)  # divide layout.PAD_K
+BLOCK_KS = (128, 256)  # whole quads of blocks (layout.QUAD * 32) dividing layout.PAD_K
 #: the largest M the fused kernel serves by default; larger M dequantizes and calls cuBLAS
 FUSED_DEFAULT_MAX_M = 128
 #: bits the mma kernel serves (2- and 4-bit fields; K = 3, 5 add a 1-bit word), and the
@@ -43,9 +44,12 @@ MMA_BITS = (2, 4)
 MMA_DEFAULT_MAX_M = 16
 
 
-DEFAULT_MMA = ("mma", 4, 4, 4, 1, False)
-#: weights (N x K) from which few tokens read the mma kernel's table from per-lane copies
-MMA_COPIES_MIN_WEIGHTS = 32 * 2**20
+def _mma_default(M: int, bits: int) -> tuple:
+    """The mma kernel's default: per-lane table copies (conflict-free lookups); one token tile
+    of 8 fits 3 CTAs of 4 warps per SM (about 130-170 registers), and planning the split for
+    exactly that many keeps the grid to one wave (H200, benchmarks/kbit-lab-log.md §5)."""
+    copies = 32 if bits == 4 else 16
+    return ("mma", 4, 4, 3 if M <= 8 else 4, copies, False)
 
 
 def _pow2(v: int) -> bool:
@@ -67,7 +71,7 @@ def check_config(cfg: tuple, where: str = "kbit config") -> tuple:
     if fields["block_n"] > 128 or not _pow2(fields["block_n"]) or fields["block_n"] < 16:
         raise ValueError(f"{where}: block_n={fields['block_n']} must be 16, 32, 64 or 128")
     if fields["block_k"] not in BLOCK_KS:
-        raise ValueError(f"{where}: block_k={fields['block_k']} must be 64, 128 or 256")
+        raise ValueError(f"{where}: block_k={fields['block_k']} must be 128 or 256")
     if "block_m" in fields and (fields["block_m"] < 16 or not _pow2(fields["block_m"])):
         raise ValueError(f"{where}: block_m={fields['block_m']} must be 16, 32, 64, ...")
     return cfg
@@ -78,10 +82,7 @@ def default_config(M: int, N: int, K: int, bits: int) -> tuple:
     swapped fused tiles otherwise; up to ``FUSED_DEFAULT_MAX_M``: fused; beyond: dequantize +
     cuBLAS)."""
     if M <= MMA_DEFAULT_MAX_M and bits in MMA_BITS:
-        # a table copy per bank pays for its fill on large weights with one token tile of 8
-        if M <= 8 and N * K >= MMA_COPIES_MIN_WEIGHTS:
-            return ("mma", 4, 4, 4, 32 if bits == 4 else 16, False)
-        return DEFAULT_MMA
+        return _mma_default(M, bits)
     if M <= 16:
         return ("fused", 16, 128, 128, 8, 1, 4, True)
     if M <= 32:
@@ -89,7 +90,7 @@ def default_config(M: int, N: int, K: int, bits: int) -> tuple:
     if M <= 64:
         return ("fused", 64, 128, 128, 8, 1, 2, True)
     if M <= FUSED_DEFAULT_MAX_M:
-        return ("fused", 64, 128, 64, 4, 1, 2, False)
+        return ("fused", 64, 128, 128, 4, 1, 2, False)
     return ("deq", 128, 128, 8)
 
 
@@ -111,21 +112,22 @@ def candidate_configs(M: int, bits: int = 4) -> list[tuple]:
             ("fused", 32, 128, 128, 8, 3, 2, True),
             ("fused", 64, 128, 128, 8, 3, 2, True),
             ("fused", 32, 64, 128, 4, 3, 4, False),
-            ("fused", 64, 128, 64, 8, 3, 2, False),
+            ("fused", 64, 64, 128, 4, 3, 2, False),
         ] + deq[:1]
     elif M <= 256:
         cands = [
-            ("fused", 64, 128, 64, 4, 3, 2, False),
-            ("fused", 128, 128, 64, 8, 3, 1, False),
+            ("fused", 64, 128, 128, 4, 3, 2, False),
+            ("fused", 128, 128, 128, 8, 2, 1, False),
         ] + deq[:1]
     else:
-        cands = [("fused", 128, 128, 64, 8, 3, 1, False)] + deq
+        cands = [("fused", 128, 128, 128, 8, 2, 1, False)] + deq
     if M <= 64 and bits in MMA_BITS:
         cands = [
-            DEFAULT_MMA,
-            ("mma", 4, 4, 4, 32 if bits == 4 else 16, False),
-            ("mma", 4, 4, 2, 1, False),
-            ("mma", 4, 4, 8, 1, False),
+            _mma_default(1, bits),
+            _mma_default(16, bits),
+            ("mma", 4, 4, 4, 1, False),
+            ("mma", 4, 4, 2, 32 if bits == 4 else 16, False),
+            ("mma", 4, 4, 4, 32 if bits == 4 else 16, True),
             ("mma", 4, 8, 4, 4, True),
         ] + cands
     default = default_config(M, 0, 0, bits)

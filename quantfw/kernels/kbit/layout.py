@@ -20,12 +20,15 @@ In an ``f``-bit group, word ``j`` holds elements ``(32 / f) * j + t`` at bits ``
 f*t + f - 1`` (``t < 32 / f``): a kernel that extracts a ``[words, 32 / f]`` tile from a group
 and flattens it gets the block's elements in order. Storage::
 
-    qweight int32 [N_pad, KB_pad * bits]   row n: column n's blocks in order, each block's
-                                           words in group order
+    qweight int32 [N_pad, KB_pad * bits]   row n: column n's blocks in quads of 4 (``QUAD``);
+                                           word j (group order) of block 4 q + r at
+                                           4 bits q + 4 j + r
     scales  uint8 [N_pad, KB_pad]          E4M4 absmax of (column, block)
     codebook float32 [2**bits]
 
-``N_pad`` is N rounded up to ``PAD_N = 128`` and ``KB_pad * 32`` is K rounded up to ``PAD_K =
+The quad interleave puts word j of 4 consecutive blocks side by side, so the mma kernel's lane
+that takes word j of a block reads it for 4 blocks with one 16-byte load (`block_words` undoes
+it). ``N_pad`` is N rounded up to ``PAD_N = 128`` and ``KB_pad * 32`` is K rounded up to ``PAD_K =
 256`` (the largest kernel ``block_k``) with zero blocks (absmax 0, so zero weights), so the
 kernels' weight loads need no masks; ``in_features`` / ``out_features`` keep the true sizes.
 """
@@ -41,6 +44,8 @@ from quantfw.kernels.kbit import format as kfmt
 
 PAD_N = 128
 PAD_K = 256
+#: blocks whose words are interleaved word by word (divides PAD_K / 32)
+QUAD = 4
 
 #: per bits: the field groups in storage order, as (field bits = words, first index bit)
 FIELD_GROUPS: dict[int, tuple[tuple[int, int], ...]] = {
@@ -137,6 +142,21 @@ def unpack_fields(words: torch.Tensor) -> torch.Tensor:
     return idx
 
 
+def interleave_quads(words: torch.Tensor) -> torch.Tensor:
+    """Block-major words ``[N, KB_pad, bits]`` -> ``qweight [N, KB_pad * bits]`` (word j of
+    block 4 q + r at ``4 bits q + 4 j + r``)."""
+    n, kbp, bits = words.shape
+    quads = words.reshape(n, kbp // QUAD, QUAD, bits).transpose(2, 3)
+    return quads.reshape(n, kbp * bits).contiguous()
+
+
+def block_words(qweight: torch.Tensor, bits: int) -> torch.Tensor:
+    """``qweight [N, KB_pad * bits]`` -> its words per block, ``[N, KB_pad, bits]``."""
+    n = qweight.shape[0]
+    kbp = qweight.shape[1] // bits
+    return qweight.reshape(n, kbp // QUAD, bits, QUAD).transpose(2, 3).reshape(n, kbp, bits)
+
+
 def repack(
     planes: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor, name: str = "kbit weight"
 ) -> KbitWeight:
@@ -149,7 +169,7 @@ def repack(
     words = F.pad(words, (0, 0, 0, kb_pad - kb, 0, n_pad - n))
     scales = F.pad(absmax, (0, kb_pad - kb, 0, n_pad - n))
     return KbitWeight(
-        words.reshape(n_pad, kb_pad * bits).contiguous(),
+        interleave_quads(words),
         scales.contiguous(),
         cb,
         kb * kfmt.BLOCKSIZE,
@@ -160,7 +180,7 @@ def repack(
 def _fields(weight: KbitWeight) -> tuple[torch.Tensor, torch.Tensor]:
     """(indices int64 [N, K/32, 32], absmax [N, K/32]) of the unpadded weight."""
     n, kb, bits = weight.out_features, weight.in_features // kfmt.BLOCKSIZE, weight.bits
-    words = weight.qweight[:n].reshape(n, weight.padded_blocks, bits)[:, :kb]
+    words = block_words(weight.qweight[:n], bits)[:, :kb]
     return unpack_fields(words), weight.scales[:n, :kb]
 
 

@@ -1,8 +1,9 @@
 """Tuned kbit kernel configs per GPU model (`quantfw.kernels.common.tables` format).
 
 Files ``kbit-<device name>.json`` keyed by ``N=<out>,K=<in>,bits=<bits>``, searched in
-``QUANTFW_KBIT_CONFIG_DIR``, then in the package's ``kernels/kbit/tuned`` (none shipped yet).
-Shapes no file lists get ``configs.default_config``. Pure Python.
+``QUANTFW_KBIT_CONFIG_DIR``, then in the package's ``kernels/kbit/tuned`` (shipped: H200, the
+Qwen3-8B gate_up and down shapes at K = 2 and 4, from ``benchmarks/bench_kbit.py``). Shapes no
+file lists get ``configs.default_config``. Pure Python.
 """
 
 from __future__ import annotations

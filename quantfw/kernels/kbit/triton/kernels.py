@@ -7,11 +7,11 @@ plain ``triton.language`` (they also run in Triton's CPU interpreter, ``TRITON_I
 * ``kbit_dequant_kernel``: the packed weight -> a dense ``[N, K]`` weight in the activation
   dtype (the large-M path: dequantize, then cuBLAS through ``F.linear``).
 * ``kbit_gemm_kernel``: ``out [M, N] = x [M, K] @ W.T`` (+ bias) with the weight decoded tile
-  by tile in registers (``dequant_tile``): each field group is loaded as a ``[BLOCK_N, blocks,
-  words]`` word tile (contiguous innermost), one shift and one mask per element give its
-  field, the fields make the codebook index, the level is gathered from the codebook (16-128
-  bytes, L1 resident); times the block's E4M4 scale,
-  then ``tl.dot`` on tensor cores with fp32 accumulation. ``SWAP`` computes ``W @ x.T``
+  by tile in registers (``dequant_tile``): each quad of blocks is loaded as one contiguous row
+  of words, one shift and one mask per element give its field (the tile's k order is the
+  words' order, ``quad_k``; x is read in the same order), the fields make the codebook index,
+  the level is gathered from the codebook (16-128 bytes, L1 resident); times the block's E4M4
+  scale, then ``tl.dot`` on tensor cores with fp32 accumulation. ``SWAP`` computes ``W @ x.T``
   (the decoded weight is the MMA's first operand: Hopper's wgmma reads it from registers, and
   BLOCK_N fills wgmma's M >= 64 when there are few tokens). Split-K CTAs add into a shared
   fp32 workspace and the last CTA of an output tile to arrive (an acq_rel ticket) reads the
@@ -54,13 +54,13 @@ def kbit_repack_kernel(
 ):
     """grid (N_pad * KBP / BLOCKS,): (column, block) pairs ``b = n * KBP + kb``. Word ``j``
     of the ``F``-bit group interleaves bits ``(32 / F) * j ..`` of planes ``0 .. F - 1``; a
-    1-bit group is plane ``F`` itself."""
+    1-bit group is plane ``F`` itself. Words land quad-interleaved (``layout.QUAD``)."""
     b = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
     n = b // KBP
     kb = b % KBP
     ok = (n < N) & (kb < KB)
     src = (n * KB + kb) * BITS
-    dst = qweight_ptr + b * BITS
+    dst = qweight_ptr + (b - b % 4) * BITS + b % 4  # word j at dst + 4 j (KBP % 4 == 0)
     HI: tl.constexpr = 4 if BITS >= 4 else 2  # the first group's field bits (= its words)
     LANES: tl.constexpr = 32 // HI
     planes = ()
@@ -70,9 +70,9 @@ def kbit_repack_kernel(
         word = tl.zeros([BLOCKS], dtype=tl.int32)
         for i in tl.static_range(HI):
             word |= _spread((planes[i] >> (LANES * j)) & ((1 << LANES) - 1), HI) << i
-        tl.store(dst + j, word)
+        tl.store(dst + 4 * j, word)
     if BITS % 2 == 1:
-        tl.store(dst + HI, planes[HI])
+        tl.store(dst + 4 * HI, planes[HI])
     tl.store(scales_ptr + b, tl.load(absmax_ptr + src // BITS, mask=ok, other=0))
 
 
@@ -87,18 +87,17 @@ def decode_e4m4(code):
 
 
 @triton.jit
-def _group_fields(first_word, F: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr):
-    """The ``F``-bit fields ``[BN, BKB, 32]`` of the group whose first word of each (column,
-    block) is at the pointers ``first_word [BN, BKB]``: word ``j``, field ``t`` is element
-    ``(32 / F) * j + t``."""
-    if F == 1:
-        w = tl.load(first_word)
-        return (w[:, :, None] >> tl.arange(0, 32)[None, None, :]) & 1
-    else:
-        w = tl.load(first_word[:, :, None] + tl.arange(0, F)[None, None, :])  # [BN, BKB, F]
-        shifts = tl.arange(0, 32 // F) * F
-        fields = (w[:, :, :, None] >> shifts[None, None, None, :]) & ((1 << F) - 1)
-        return tl.reshape(fields, [BN, BKB, 32])
+def quad_k(BLOCK_K: tl.constexpr, BITS: tl.constexpr):
+    """The input offsets (from the tile's first input) of the positions of a `dequant_tile`.
+
+    A tile is read quad by quad (``layout.QUAD``): position ``((q * 4 F + 4 j + r) * T + t)``
+    (``F`` the first group's field bits, ``T = 32 / F``) holds element ``T j + t`` of block
+    ``4 q + r``, so that each quad's words load as one contiguous row."""
+    HI: tl.constexpr = 4 if BITS >= 4 else 2
+    T: tl.constexpr = 32 // HI
+    v = tl.arange(0, BLOCK_K)
+    jr = (v // T) % (4 * HI)
+    return 128 * (v // 128) + 32 * (jr % 4) + T * (jr // 4) + v % T
 
 
 @triton.jit
@@ -106,19 +105,25 @@ def dequant_tile(
     qweight_ptr, scales_ptr, codebook_ptr, n, kb0, KBP, BITS: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """float32 ``[len(n), BLOCK_K]``: columns ``n`` of the weight at inputs ``32 * kb0 ..
-    + BLOCK_K`` (all inside the padded weight)."""
+    + BLOCK_K`` (all inside the padded weight; kb0 and BLOCK_K / 32 multiples of 4), in the
+    order of `quad_k`."""
     BN: tl.constexpr = n.shape[0]
-    BKB: tl.constexpr = BLOCK_K // 32
-    kb = kb0 + tl.arange(0, BKB)
-    block = n[:, None] * KBP + kb[None, :]  # [BN, BKB] (qweight has < 2**31 words)
-    scale = decode_e4m4(tl.load(scales_ptr + block))
-    first = qweight_ptr + block * BITS
-    HI: tl.constexpr = 4 if BITS >= 4 else 2
-    idx = _group_fields(first, HI, BN, BKB)
-    if BITS % 2 == 1:
-        idx = idx | (_group_fields(first + HI, 1, BN, BKB) << HI)
+    Q: tl.constexpr = BLOCK_K // 128
+    HI: tl.constexpr = 4 if BITS >= 4 else 2  # the first group's field bits (= its words)
+    T: tl.constexpr = 32 // HI
+    q = kb0 // 4 + tl.arange(0, Q)
+    quad = n[:, None] * (KBP * BITS) + q[None, :] * (4 * BITS)  # [BN, Q] (< 2**31 words)
+    jr = tl.arange(0, 4 * HI)  # word j of block r of the quad at 4 j + r
+    w = tl.load(qweight_ptr + quad[:, :, None] + jr[None, None, :])  # [BN, Q, 4 HI]
+    idx = (w[:, :, :, None] >> (tl.arange(0, T) * HI)[None, None, None, :]) & ((1 << HI) - 1)
+    if BITS % 2 == 1:  # the 1-bit word of block r (at 4 HI + r): bit T j + t
+        w1 = tl.load(qweight_ptr + quad[:, :, None] + (4 * HI + jr % 4)[None, None, :])
+        bit = (jr // 4)[:, None] * T + tl.arange(0, T)[None, :]  # [4 HI, T]
+        idx = idx | (((w1[:, :, :, None] >> bit[None, None, :, :]) & 1) << HI)
+    block = n[:, None, None] * KBP + (4 * q)[None, :, None] + (jr % 4)[None, None, :]
+    scale = decode_e4m4(tl.load(scales_ptr + block))  # [BN, Q, 4 HI]
     level = tl.load(codebook_ptr + idx)  # a 16-128 byte table: L1 resident
-    return tl.reshape(level * scale[:, :, None], [BN, BLOCK_K])  # k = 32 * block + lane
+    return tl.reshape(level * scale[:, :, :, None], [BN, BLOCK_K])
 
 
 @triton.jit
@@ -130,6 +135,10 @@ def kbit_dequant_kernel(
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     kb0 = tl.program_id(1) * (BLOCK_K // 32)
     w = dequant_tile(qweight_ptr, scales_ptr, codebook_ptr, n, kb0, KBP, BITS, BLOCK_K)
+    # quad order [q, j, r, t] -> input order [q, r, j, t], so that the stores are whole rows
+    HI: tl.constexpr = 4 if BITS >= 4 else 2
+    w = tl.reshape(w, [BLOCK_N, BLOCK_K // 128, HI, 4, 32 // HI])
+    w = tl.reshape(tl.permute(w, (0, 1, 3, 2, 4)), [BLOCK_N, BLOCK_K])
     k = kb0 * 32 + tl.arange(0, BLOCK_K)
     mask = (n < N)[:, None] & (k < K)[None, :]
     rows = n.to(tl.int64)[:, None] * K  # N * K may pass 2**31
@@ -160,7 +169,7 @@ def kbit_gemm_kernel(
     first = pid_s * ITERS
     for step in range(first, tl.minimum(first + ITERS, STEPS)):
         kb0 = step * (BLOCK_K // 32)
-        k = kb0 * 32 + tl.arange(0, BLOCK_K)
+        k = kb0 * 32 + quad_k(BLOCK_K, BITS)  # x in the weight tile's order
         x = tl.load(x_rows + k[None, :], mask=m_ok & (k < K)[None, :], other=0.0)
         w = dequant_tile(qweight_ptr, scales_ptr, codebook_ptr, n, kb0, KBP, BITS, BLOCK_K).to(
             x.dtype

@@ -4,7 +4,8 @@ straight into ``mma.sync`` fragments, the E4M4 block scale applied once per bloc
 It reads the field-packed layout of ``kbit/layout.py`` as it is (no second copy of a weight):
 ``qweight int32 [N_pad, KB_pad * bits]`` (column n, block b: ``bits`` words; K = 4: word ``w``
 holds elements ``8w .. 8w + 7`` as nibbles; K = 2: word ``w`` holds elements ``16w .. 16w + 15``
-as 2-bit fields) and ``scales uint8 [N_pad, KB_pad]`` read as int32 (4 blocks per word).
+as 2-bit fields; quad-interleaved, so word w of 4 consecutive blocks is one 16-byte load) and
+``scales uint8 [N_pad, KB_pad]`` read as int32 (4 blocks per word).
 
 The mma runs transposed as the W4A16 kernel's (``w4a16/triton/mma.py``): 16 output columns x
 k16 of weights as A, x as B (k16 x 8 tokens).  A k16 step is *virtual*: lane ``l = 4g + c``
@@ -36,6 +37,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import constexpr_function
 from triton.experimental.gluon import language as gl
 
+from quantfw.kernels.common import splitk
 from quantfw.kernels.kbit.configs import MMA_BITS
 from quantfw.kernels.kbit.layout import _as_int32
 from quantfw.kernels.w4a16.triton.mma import (
@@ -46,7 +48,6 @@ from quantfw.kernels.w4a16.triton.mma import (
     as_int32_pairs,
     epilogue,
     fragment_tok_n,
-    plan,
 )
 
 #: elements per chunk of the K loop are CH blocks of 32; scales come as 4 blocks per word
@@ -208,18 +209,6 @@ def kbit_mma_kernel(
     mt = gl.program_id(1)
     sp = gl.program_id(2)
 
-    # the table, COPIES times: word (e COPIES + copy) EW + i = lut[e, i]
-    LF: gl.constexpr = gl.BlockedLayout([1, COPIES, EW], [32, 1, 1], [W, 1, 1], [2, 1, 0])
-    e = gl.arange(0, 256, layout=gl.SliceLayout(1, gl.SliceLayout(1, LF)))
-    i = gl.arange(0, EW, layout=gl.SliceLayout(0, gl.SliceLayout(1, LF)))
-    lut2 = gl.load(lut_ptr + gl.expand_dims(e, 1) * EW + gl.expand_dims(i, 0))
-    lut3 = gl.expand_dims(lut2, 1) + gl.zeros([256, COPIES, EW], gl.int32, LF)
-    table = gl.allocate_shared_memory(
-        gl.int32, [256, COPIES, EW], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
-    )
-    table.store(lut3)
-    gl.thread_barrier()
-
     nb, l3, r3, g, c, w3 = _tile_coords(W, W, L3)
     if MASK_N:
         nb_ok = nb < NB
@@ -233,9 +222,10 @@ def kbit_mma_kernel(
         word = c
     else:
         word = c // 2
-    # weight bundle (j, t): column 64 nb + 16 j + 8 t + g, register r3 = block r3 of the 4;
+    # weight bundle (j, t): column 64 nb + 16 j + 8 t + g, register r3 = block r3 of the 4
+    # (its word `word`: quad-interleaved, the 4 are contiguous);
     # scale bundle h: column 64 nb + 32 h + 16 (r3 // 2) + 8 (r3 % 2) + g (j = 2h + r3 // 2)
-    q_off = (nb * 64 + g) * (KBP * BITS) + r3 * BITS + word
+    q_off = (nb * 64 + g) * (KBP * BITS) + 4 * word + r3
     s_off = (nb * 64 + 16 * (r3 // 2) + 8 * (r3 % 2) + g) * (KBP // SCALE_BLOCKS)
     # x: TM = 8: token g, pairs 4c + r3 of the block; TM = 16: token g + 8 (r3 // 2), pairs
     # 4c + 2v + r3 % 2.  Tokens past M read row M - 1 (never stored).
@@ -247,28 +237,43 @@ def kbit_mma_kernel(
         x_pair = 4 * c + r3 % 2
     x_off = gl.minimum(xm, M - 1) * stride_xm + x_pair
 
-    accs = _zeros(4 * (TM // 8), W, L3)
+    # the first chunk's loads go out before the table is built
     ws, xs, ss = _load_chunk(
         q_ptr, x_ptr, s_ptr, sp * CH, q_off, x_off, x_pair, s_off, nb_ok, KBP, K2,
         CH, TM, BITS, MASK_K,
     )  # fmt: skip
-    for it in range(n_iter):
-        if PIPE:
-            b_next = ((it + 1) * SPLIT + sp) * CH
-        else:
-            b_next = (it * SPLIT + sp) * CH
-        nws, nxs, nss = _load_chunk(
-            q_ptr, x_ptr, s_ptr, b_next, q_off, x_off, x_pair, s_off, nb_ok, KBP, K2,
-            CH, TM, BITS, MASK_K or PIPE,
-        )  # fmt: skip
-        if not PIPE:
+    # the table, COPIES times: word (e COPIES + copy) EW + i = lut[e, i]; consecutive lanes
+    # store consecutive copies (no bank conflicts)
+    LF: gl.constexpr = gl.BlockedLayout([1, 1, EW], [32 // COPIES, COPIES, 1], [W, 1, 1], [2, 1, 0])
+    e = gl.arange(0, 256, layout=gl.SliceLayout(1, gl.SliceLayout(1, LF)))
+    i = gl.arange(0, EW, layout=gl.SliceLayout(0, gl.SliceLayout(1, LF)))
+    lut2 = gl.load(lut_ptr + gl.expand_dims(e, 1) * EW + gl.expand_dims(i, 0))
+    lut3 = gl.expand_dims(lut2, 1) + gl.zeros([256, COPIES, EW], gl.int32, LF)
+    table = gl.allocate_shared_memory(
+        gl.int32, [256, COPIES, EW], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
+    )
+    table.store(lut3)
+    gl.thread_barrier()
+
+    accs = _zeros(4 * (TM // 8), W, L3)
+    for it in range(n_iter - 1):  # the last chunk after the loop: no loads past the plan
+        b_next = ((it + 1) * SPLIT + sp) * CH
+        if PIPE:  # the next chunk's loads before this chunk's math
+            nws, nxs, nss = _load_chunk(
+                q_ptr, x_ptr, s_ptr, b_next, q_off, x_off, x_pair, s_off, nb_ok, KBP, K2,
+                CH, TM, BITS, MASK_K,
+            )  # fmt: skip
+            accs = _chunk(ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16)
             ws = nws
             xs = nxs
             ss = nss
-        accs = _chunk(ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16)
-        ws = nws
-        xs = nxs
-        ss = nss
+        else:
+            accs = _chunk(ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16)
+            ws, xs, ss = _load_chunk(
+                q_ptr, x_ptr, s_ptr, b_next, q_off, x_off, x_pair, s_off, nb_ok, KBP, K2,
+                CH, TM, BITS, MASK_K,
+            )  # fmt: skip
+    accs = _chunk(ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16)
 
     tok, n = fragment_tok_n(c, g, r3, nb)
     epilogue(
@@ -308,12 +313,14 @@ def kbit_mma_matmul(
     ctas_per_sm: int = 4,
     copies: int = 1,
     pipe: bool = False,
+    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """out[M, N] = x2[M, K] @ W.T (+ bias) for a field-packed weight (``qweight``, ``scales``
     of `layout.KbitWeight`) and its `lookup_table` ``lut`` in x's dtype; x2 fp16/bf16 on CUDA.
 
     ``chunk`` blocks of 32 per K step (a multiple of 4), ``copies`` of the table in shared
-    memory (1..32, a power of two), ``warps`` 64-column blocks per CTA."""
+    memory (1..32, a power of two), ``warps`` 64-column blocks per CTA, ``maxnreg`` a cap on
+    registers per thread (None: the compiler's choice)."""
     if bits not in MMA_BITS:
         raise ValueError(f"kbit mma kernel: bits must be one of {MMA_BITS}, got {bits}")
     if chunk % SCALE_BLOCKS.value or chunk <= 0:
@@ -325,8 +332,11 @@ def kbit_mma_matmul(
     NB = n_pad // 64
     x2 = as_int32_pairs(x2)
     tm = 8 if M <= 8 else 16
-    split, n_iter = plan(M, n_pad, kbp * 32, x2.device, warps, 2 * chunk, ctas_per_sm, tm, 1)
     mt = triton.cdiv(M, tm)
+    tiles = triton.cdiv(NB, warps) * mt
+    split, n_iter = splitk.split_plan(
+        triton.cdiv(kbp, chunk), tiles, splitk.num_sms(x2.device), ctas_per_sm
+    )
     out = torch.empty(M, N, device=x2.device, dtype=x2.dtype)
     grid = (triton.cdiv(NB, warps), mt, split)
     ws, cnt = _workspace(x2.device, mt * tm * n_pad if split > 1 else 1, grid[0] * mt)
@@ -338,5 +348,6 @@ def kbit_mma_matmul(
         W=warps, CH=chunk, TM=tm, SPLIT=split, COPIES=copies, BITS=bits, PIPE=pipe,
         MASK_N=NB % warps != 0, MASK_K=split * n_iter * chunk != kbp,
         HAS_BIAS=has_bias, IS_BF16=x2.dtype == torch.bfloat16, num_warps=warps,
+        **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )  # fmt: skip
     return out

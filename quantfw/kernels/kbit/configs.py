@@ -44,12 +44,16 @@ MMA_BITS = (2, 4)
 MMA_DEFAULT_MAX_M = 16
 
 
+def _mma_copies(bits: int) -> int:
+    """Table copies for one per bank: 32 one-word entries (K = 4), 16 two-word ones (K = 2)."""
+    return 32 if bits == 4 else 16
+
+
 def _mma_default(M: int, bits: int) -> tuple:
     """The mma kernel's default: per-lane table copies (conflict-free lookups); one token tile
     of 8 fits 3 CTAs of 4 warps per SM (about 130-170 registers), and planning the split for
     exactly that many keeps the grid to one wave (H200, benchmarks/kbit-lab-log.md §5)."""
-    copies = 32 if bits == 4 else 16
-    return ("mma", 4, 4, 3 if M <= 8 else 4, copies, False)
+    return ("mma", 4, 4, 3 if M <= 8 else 4, _mma_copies(bits), False)
 
 
 def _pow2(v: int) -> bool:
@@ -126,8 +130,8 @@ def candidate_configs(M: int, bits: int = 4) -> list[tuple]:
             _mma_default(1, bits),
             _mma_default(16, bits),
             ("mma", 4, 4, 4, 1, False),
-            ("mma", 4, 4, 2, 32 if bits == 4 else 16, False),
-            ("mma", 4, 4, 4, 32 if bits == 4 else 16, True),
+            ("mma", 4, 4, 2, _mma_copies(bits), False),
+            ("mma", 4, 4, 4, _mma_copies(bits), True),
             ("mma", 4, 8, 4, 4, True),
         ] + cands
     default = default_config(M, 0, 0, bits)

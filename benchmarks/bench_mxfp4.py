@@ -35,37 +35,29 @@ from quantfw.kernels.mxfp4.triton import grouped_gemm
 
 E, TOP_K, H, INTER = 32, 4, 2880, 2880
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-GEMV_SWEEP = [
-    dict(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3, GEMV=True)
-    for bn, bk, w in itertools.product((8, 16, 32), (128, 256, 512), (2, 4))
-    if bn * bk <= 8192
+LUT_SWEEP = [
+    dict(BLOCK_M=bm, LUT=True, copies=c, ctas_per_sm=s, chunk=ch)
+    for bm, c, s, ch in itertools.product((8, 16), (16, 32), (3, 4), (4, 8))
 ]
 DECODE_SWEEP = [
-    dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=3, SWAP=True, DOT_SCALED=ds)
-    for bn, bk, ds in itertools.product((32, 64, 128), (128, 256), (True, False))
+    dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=3, SWAP=True)
+    for bn, bk in itertools.product((32, 64, 128), (128, 256))
     if bn * bk <= 16384
 ]
 PREFILL_SWEEP = [
-    dict(BLOCK_M=bm, BLOCK_N=128, BLOCK_K=bk, num_warps=8, num_stages=3, **kind)
-    for bm, bk, kind in itertools.product(
-        (64, 128),
-        (64, 128),
-        ({}, {"SWAP": True}, {"SWAP": True, "DOT_SCALED": True}, {"DEQUANT": True}),
-    )
+    dict(BLOCK_M=bm, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, **kind)
+    for bm, kind in itertools.product((64, 128), ({}, {"SWAP": True}, {"DEQUANT": True}))
 ]
 
 
 def sweep_for(rows_per_expert: float, quantized: bool) -> list[dict]:
-    """The configs worth timing for `rows_per_expert` (GEMV, DOT_SCALED and DEQUANT only for
-    MXFP4 weights)."""
-    if rows_per_expert <= 2:
-        grid = GEMV_SWEEP + DECODE_SWEEP
-    elif rows_per_expert <= 16:
-        grid = DECODE_SWEEP
+    """The configs worth timing for `rows_per_expert` (LUT and DEQUANT only for MXFP4
+    weights)."""
+    if rows_per_expert <= 16:
+        grid = LUT_SWEEP + DECODE_SWEEP
     else:
         grid = PREFILL_SWEEP
-    special = ("GEMV", "DOT_SCALED", "DEQUANT")
-    return [c for c in grid if quantized or not any(c.get(f) for f in special)]
+    return [c for c in grid if quantized or not (c.get("LUT") or c.get("DEQUANT"))]
 
 
 def copy_bandwidth() -> float:
@@ -87,7 +79,7 @@ def make_experts(dtype: torch.dtype, copies: int, seed: int = 0):
         b2 = torch.randn(E, H, device="cuda", generator=g).to(dtype) * 0.1
         q13, q2 = mxfp4.quantize(w13), mxfp4.quantize(w2)
         del w13, w2
-        mx = (grouped.Mxfp4Weights(*q13), grouped.Mxfp4Weights(*q2))
+        mx = (grouped.Mxfp4Weights.pack(*q13), grouped.Mxfp4Weights.pack(*q2))
         out.append((mx, b13, b2))
     return out
 
@@ -134,7 +126,7 @@ def bench_tokens(t: int, dtype, copies, dense, bw: float, sweep: bool) -> dict:
     row = {
         "tokens": t,
         "distinct_experts": distinct,
-        "default_config": grouped_gemm.default_config(t * TOP_K, E, 2 * INTER, H),
+        "default_config": grouped_gemm.default_config(t * TOP_K, E, 2 * INTER, H, dtype=dtype),
         "mxfp4_us": round(mx_us, 2),
         "bf16_us": round(bf_us, 2),
         "floor_us": round(floor_us, 2),
@@ -182,8 +174,8 @@ def layer_bench(args) -> dict:
     copies = make_experts(dtype, 2)
     dense = [
         (
-            grouped.DenseWeights(mxfp4.dequantize(mx13.blocks, mx13.scales, dtype)),
-            grouped.DenseWeights(mxfp4.dequantize(mx2.blocks, mx2.scales, dtype)),
+            grouped.dequantize_dense(mx13, dtype),
+            grouped.dequantize_dense(mx2, dtype),
             b13,
             b2,
         )

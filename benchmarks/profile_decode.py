@@ -136,15 +136,18 @@ def prefill_ms(engine, prompt_len: int) -> float:
     return min(times)
 
 
-def profile_steps(engine, batch: int, steps: int = 20) -> dict[str, float]:
-    """GPU microseconds per decode step by kernel kind."""
+def profile_steps(
+    engine, batch: int, steps: int = 20, prompts: list[list[int]] | None = None
+) -> dict[str, float]:
+    """GPU microseconds per decode step by kernel kind; every sequence's prompt is tokens
+    100..227 unless `prompts` (one per sequence) are given."""
     from torch.profiler import ProfilerActivity, profile
 
     from quantfw.engine import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request(list(range(100, 228)), params)
+    for i in range(batch):
+        engine.add_request(prompts[i] if prompts else list(range(100, 228)), params)
     for _ in range(4):  # prefill and a few decode steps
         engine.step()
     torch.cuda.synchronize()

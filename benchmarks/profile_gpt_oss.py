@@ -1,6 +1,8 @@
 """Where a GPT-OSS-20B decode step's GPU time goes (bundled config, dummy weights, CUDA graphs),
 MXFP4 experts and the bf16-expert twin: kernels grouped by kind with `profile_decode.kind_of`
-plus the MoE kernels, per decode step.
+plus the MoE kernels, per decode step. With ``--random-prompts`` each sequence gets its own
+random 128-token prompt (as `quantfw bench` draws them), so a batch's tokens route to different
+experts; otherwise every sequence has the same prompt (and the same experts).
 
     python benchmarks/profile_gpt_oss.py --batch-sizes 1,16 --out $OUT/profile-gpt-oss.json
 """
@@ -20,7 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import profile_decode  # noqa: E402
 
 MOE_KINDS = [
-    ("moe gemv", r"gemv"),
+    ("moe lookup mma", r"kbit_mma"),
     ("moe grouped gemm", r"grouped_gemm"),
     ("moe dequantize", r"_dequantize_kernel"),
     ("moe sort/combine", r"align|combine"),
@@ -36,9 +38,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--batch-sizes", default="1,16")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--random-prompts", action="store_true")
     args = ap.parse_args()
     config, _ = read_hf_config("gpt-oss-20b")
-    report = {"device": torch.cuda.get_device_name(), "runs": {}}
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "prompts": "random" if args.random_prompts else "same",
+        "runs": {},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         for name, quant in (("mxfp4", config["quantization_config"]), ("bf16", None)):
             folder = write_config_folder(config, os.path.join(tmp, name), quant)
@@ -47,7 +54,14 @@ def main() -> None:
                 max_num_seqs=16, cuda_graphs=True, decode_window=1,
             )  # fmt: skip
             for b in (int(x) for x in args.batch_sizes.split(",")):
-                prof = profile_decode.profile_steps(engine, b)
+                gen = torch.Generator().manual_seed(b)
+                prompts = [
+                    torch.randint(0, config["vocab_size"], (128,), generator=gen).tolist()
+                    for _ in range(b)
+                ]
+                prof = profile_decode.profile_steps(
+                    engine, b, prompts=prompts if args.random_prompts else None
+                )
                 total = sum(prof["by_kind_us"].values())
                 print(f"{name} bs={b}: {total:.0f} us of GPU time per step", flush=True)
                 for kind, us in sorted(prof["by_kind_us"].items(), key=lambda kv: -kv[1]):

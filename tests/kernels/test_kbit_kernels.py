@@ -219,16 +219,20 @@ def test_kernels_compile_for_sm90_without_a_gpu():
 
 _MMA_SIGNATURE = {
     "x_ptr": "*i32", "q_ptr": "*i32", "s_ptr": "*i32", "lut_ptr": "*i32", "bias_ptr": "*fp16",
-    "out_ptr": "*fp16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32",
-    "K2": "i32", "NB": "i32", "KBP": "i32", "n_iter": "i32", "stride_xm": "i32",
-    "stride_om": "i32",
+    "out_ptr": "*fp16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "block_expert_ptr": "*i32",
+    "block_row_ptr": "*i32", "m_indptr_ptr": "*i64", "gather_ptr": "*i64", "M": "i32",
+    "N": "i32", "K2": "i32", "NB": "i32", "KBP": "i32", "KBS": "i32", "n_iter": "i32",
+    "num_experts": "i32", "stride_xm": "i32", "stride_om": "i32", "stride_qe": "i32",
+    "stride_se": "i32", "stride_be": "i32",
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("bits,tm,copies", [(4, 8, 32), (2, 16, 1)])
-def test_mma_kernel_compiles_for_sm90_without_a_gpu(bits, tm, copies):
+@pytest.mark.parametrize("bits,tm,copies,mxfp4", [(4, 8, 32, False), (2, 16, 1, False),
+                                                 (4, 8, 32, True), (4, 16, 16, True)])  # fmt: skip
+def test_mma_kernel_compiles_for_sm90_without_a_gpu(bits, tm, copies, mxfp4):
     """The Gluon kernel (inline PTX, which no interpreter runs) through Triton's bundled
-    ptxas: its table is the only shared-memory allocation, so it starts at ``global_smem``."""
+    ptxas: its table is the only shared-memory allocation, so it starts at ``global_smem``.
+    ``mxfp4``: the grouped variant with UE8M0 scales and the token gather."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -236,7 +240,8 @@ def test_mma_kernel_compiles_for_sm90_without_a_gpu(bits, tm, copies):
     from quantfw.kernels.kbit.triton import mma as KM
 
     consts = dict(W=4, CH=4, TM=tm, SPLIT=2, COPIES=copies, BITS=bits, PIPE=False,
-                  MASK_N=True, MASK_K=True, HAS_BIAS=True, IS_BF16=bits == 2)  # fmt: skip
+                  MASK_N=True, MASK_K=True, HAS_BIAS=True, IS_BF16=bits == 2,
+                  UE8M0=mxfp4, GROUPED=mxfp4, GATHER=mxfp4)  # fmt: skip
     fn = KM.kbit_mma_kernel
     sig = {**_MMA_SIGNATURE, **{k: "constexpr" for k in consts}}
     src = GluonASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()})
@@ -287,6 +292,42 @@ def test_mma_lookup_math_on_cpu(bits, dtype):
     assert ((rebuilt - ref).norm() / ref.norm()).item() < (
         4e-3 if dtype == torch.bfloat16 else 5e-4
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_mma_lookup_math_for_mxfp4_on_cpu(dtype):
+    """The same decode for MXFP4 in its runtime layout (`mxfp4.layout.pack`): lane c's word of
+    4 blocks, each byte through the E2M1 table (factor 1), times the UE8M0 byte shifted left by
+    23 (at least 0x00400000, the subnormal 2**-127), rebuilds `mxfp4.dequantize` bit for bit,
+    every byte value under scales 0, 1, 127 and 254 included."""
+    from quantfw.kernels import mxfp4
+    from quantfw.kernels.kbit.triton.mma import lookup_table
+    from quantfw.kernels.mxfp4 import layout as mx_layout
+
+    g = torch.Generator().manual_seed(5)
+    n, k = 70, 8224  # N and K padded (257 blocks); 8192 inputs span every byte value
+    blocks, scales = mxfp4.quantize(torch.randn(n, k, generator=g))
+    blocks[0, :256].view(-1)[:4096] = torch.arange(256, dtype=torch.uint8).repeat(16)
+    scales[0, :4] = torch.tensor([0, 1, 127, 254], dtype=torch.uint8)
+    qweight, s = mx_layout.pack(blocks, scales)
+    lut = lookup_table(torch.tensor(mxfp4.FP4_VALUES), 4, dtype, factor=1.0)
+    q = qweight.to(torch.int64) & 0xFFFFFFFF
+    kbp = s.shape[1]
+    b = torch.arange(kbp)
+    rebuilt = torch.empty(q.shape[0], kbp, 32)
+    for c in range(4):
+        src = q[:, (b // 4) * 16 + 4 * c + b % 4]
+        for byte in range(4):
+            entry = lut[(src >> (8 * byte)) & 0xFF, 0]
+            half = torch.stack([entry & 0xFFFF, (entry >> 16) & 0xFFFF], -1)
+            rebuilt[:, :, 8 * c + 2 * byte : 8 * c + 2 * byte + 2] = (
+                half.to(torch.int16).view(dtype).float()
+            )
+    bits_ = (s.to(torch.int32) << 23).clamp(min=0x00400000)
+    scale = bits_.view(torch.float32)
+    rebuilt = (rebuilt * scale[:, :, None]).reshape(q.shape[0], -1)[:n, :k]
+    want = mxfp4.dequantize(blocks, scales, torch.float32)
+    assert torch.equal(rebuilt, want)
 
 
 # ---------------------------------------------------------------------------------------------

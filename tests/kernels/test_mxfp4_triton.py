@@ -44,7 +44,7 @@ def _experts(e, n, k, dtype, quantized, seed):
         if quantized:
             blocks, scales = mxfp4.quantize(w)
             pair = (
-                grouped.Mxfp4Weights(blocks, scales),
+                grouped.Mxfp4Weights.pack(blocks, scales),
                 mxfp4.dequantize(blocks, scales, torch.float32),
             )
         else:
@@ -100,28 +100,44 @@ def test_gpu_moe_matches_reference(dtype, quantized, i):
     [
         dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3),
         dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4, SWAP=True),
-        dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4),
+        dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
         dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
-        dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=2, SWAP=True),
-        dict(
-            BLOCK_M=16,
-            BLOCK_N=64,
-            BLOCK_K=128,
-            num_warps=4,
-            num_stages=3,
-            SWAP=True,
-            DOT_SCALED=True,
-        ),
-        dict(BLOCK_M=1, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3, GEMV=True),
-        dict(BLOCK_M=1, BLOCK_N=16, BLOCK_K=256, num_warps=2, num_stages=4, GEMV=True),
+        dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=2, SWAP=True),
         dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, DEQUANT=True),
+        dict(BLOCK_M=8, LUT=True, copies=32, ctas_per_sm=3, chunk=4),
+        dict(BLOCK_M=8, LUT=True, copies=1, ctas_per_sm=4, chunk=8, pipe=True),
+        dict(BLOCK_M=16, LUT=True, copies=16, ctas_per_sm=2, chunk=4),
     ],
 )
 def test_gpu_configs_agree(config):
+    """Every kernel on one case: 200 tokens over 8 experts (many row blocks per expert), H = 288
+    and I = 224 (W2's N = 288 pads to whole column blocks, both K to whole quads)."""
     pytest.importorskip("triton")
-    case, ref = _moe_case(200, 8, 256, 192, 2, torch.bfloat16, True, seed=3)
+    case, ref = _moe_case(200, 8, 288, 224, 2, torch.bfloat16, True, seed=3)
     err = ((_run(case, config).float() - ref).abs().max() / ref.abs().max()).item()
     assert err <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_dense_linear_matches_reference(dtype):
+    """A dense MXFP4 layer (a group of one) at every path's sizes, N and K padded, with bias;
+    the output is NaN-filled first, so an unwritten element fails."""
+    from quantfw.kernels.mxfp4 import grouped
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    n, k = 200, 352
+    blocks, scales = mxfp4.quantize(torch.randn(n, k, generator=g, device="cuda") * 0.05)
+    w = grouped.Mxfp4Weights.pack(blocks, scales)
+    dense = mxfp4.dequantize(blocks, scales, torch.float64)
+    bias = torch.randn(n, generator=g, device="cuda").to(dtype)
+    for m in (1, 5, 16, 40, 300):
+        x = torch.randn(m, k, generator=g, device="cuda").to(dtype)
+        out = torch.full((m, n), float("nan"), device="cuda", dtype=dtype)
+        out.copy_(grouped.linear(x, w, bias))
+        ref = x.double() @ dense.T + bias.double()
+        err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+        assert err <= 1e-2, f"M={m}: relative error {err:.2e}"
 
 
 @pytest.mark.gpu

@@ -163,6 +163,23 @@ def test_sort_and_combine():
     assert combine_list(rows, sort, w) == [3 + 0, 400 + 2000, 1e4 + 5e5]
 
 
+@pytest.mark.parametrize("block_m", [1, 8, 16])
+def test_plans_real_blocks_never_undercut_min_blocks(block_m):
+    """``min_blocks`` (what split-K kernels plan for) is a true lower bound of the real blocks
+    for any routing, and reached when every token picks the same experts."""
+    g = torch.Generator().manual_seed(block_m)
+    e, k = 32, 4
+    for t in (1, 2, 5, 16, 64):
+        spread = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+        same = torch.arange(k).repeat(t, 1)
+        for ids in (spread, same):
+            sort = moe.sort_by_expert(ids, e)
+            plan = moe.block_schedule(sort.m_indptr, t * k, block_m, top_k=k)
+            real = int((plan.block_expert < e).sum())
+            assert plan.min_blocks <= real <= plan.num_blocks, (t, block_m)
+        assert plan.min_blocks == real  # the same k experts for every token
+
+
 def combine_list(rows, sort, w):
     return moe.combine(rows, sort, w).squeeze(-1).tolist()
 

@@ -46,22 +46,36 @@ class BlockPlan:
     """Row blocks of a grouped GEMM: block ``b`` covers sorted rows ``block_row[b] ..
     min(block_row[b] + block_m, m_indptr[e + 1])`` of expert ``e = block_expert[b]``; blocks
     past the last real one carry ``e = num_experts`` (their programs exit). The block count is
-    a static bound, so building and running a plan never synchronises with the host."""
+    a static bound, so building and running a plan never synchronises with the host;
+    ``min_blocks`` is the fewest real blocks there can be (split-K kernels plan for it, so that
+    routing to few experts still fills the GPU)."""
 
     block_expert: torch.Tensor  # [num_blocks] int32
     block_row: torch.Tensor  # [num_blocks] int32
     m_indptr: torch.Tensor  # [E + 1]
     num_rows: int
     block_m: int
+    min_blocks: int = 0
 
     @property
     def num_blocks(self) -> int:
         return self.block_expert.numel()
 
 
-def block_schedule(m_indptr: torch.Tensor, num_rows: int, block_m: int) -> BlockPlan:
+def fewest_blocks(num_rows: int, block_m: int, top_k: int, num_blocks: int) -> int:
+    """The fewest real blocks of a plan: every block holds at most `block_m` rows, and each
+    token's `top_k` experts are distinct, so at least `top_k` experts own a block."""
+    if num_rows == 0:
+        return 0
+    return min(num_blocks, max(-(-num_rows // block_m), top_k))
+
+
+def block_schedule(
+    m_indptr: torch.Tensor, num_rows: int, block_m: int, top_k: int = 1
+) -> BlockPlan:
     """Cut each expert's rows into blocks of `block_m`. Expert e needs ceil(n_e / block_m) <=
-    n_e // block_m + 1 blocks, so min(rows, E) + rows // block_m bound the total."""
+    n_e // block_m + 1 blocks, so min(rows, E) + rows // block_m bound the total; `top_k`: the
+    distinct experts of each token (for ``min_blocks``)."""
     num_experts = m_indptr.numel() - 1
     device = m_indptr.device
     num_blocks = min(num_rows, num_experts) + num_rows // block_m
@@ -72,7 +86,10 @@ def block_schedule(m_indptr: torch.Tensor, num_rows: int, block_m: int) -> Block
     expert = torch.searchsorted(block_indptr[1:], b, right=True)
     owner = expert.clamp(max=num_experts - 1)
     row = m_indptr[owner] + (b - block_indptr[owner]) * block_m
-    return BlockPlan(expert.to(torch.int32), row.to(torch.int32), m_indptr, num_rows, block_m)
+    least = fewest_blocks(num_rows, block_m, top_k, num_blocks)
+    return BlockPlan(
+        expert.to(torch.int32), row.to(torch.int32), m_indptr, num_rows, block_m, least
+    )
 
 
 def single_group(num_rows: int, block_m: int, device: torch.device) -> BlockPlan:
@@ -80,7 +97,7 @@ def single_group(num_rows: int, block_m: int, device: torch.device) -> BlockPlan
     num_blocks = -(-num_rows // block_m)
     b = torch.arange(num_blocks, device=device, dtype=torch.int32)
     m_indptr = torch.arange(2, device=device, dtype=torch.int64) * num_rows
-    return BlockPlan(torch.zeros_like(b), b * block_m, m_indptr, num_rows, block_m)
+    return BlockPlan(torch.zeros_like(b), b * block_m, m_indptr, num_rows, block_m, num_blocks)
 
 
 def combine(rows: torch.Tensor, sort: ExpertSort, topk_weights: torch.Tensor) -> torch.Tensor:

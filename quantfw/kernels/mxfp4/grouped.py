@@ -4,10 +4,16 @@ no Triton import here (the kernels load on first CUDA use).
 * `moe_forward`: a whole MoE layer on this rank: tokens sorted by expert (`kernels.moe.sort`),
   W13 grouped GEMM (+ bias), the activation, W2 grouped GEMM (+ bias), weighted combine. No
   host synchronisation, so decode steps can be captured in CUDA graphs.
-* `linear`: a dense MXFP4 layer as a group of one.
+* `linear`: a dense MXFP4 layer.
 
 Weights are [E, N, K] (N outputs, K inputs): `DenseWeights` in the activation dtype, or
-`Mxfp4Weights` as the checkpoint stores them (blocks [E, N, K/32, 16], scales [E, N, K/32]).
+`Mxfp4Weights` in the runtime layout of `mxfp4.layout` (made once from the checkpoint's blocks
+and scales by `Mxfp4Weights.pack`).
+
+Kernels, picked by rows per expert (`triton.grouped_gemm.default_config`): up to 16 the
+codebook-lookup mma kernel (`kbit/triton/mma.py`: E2M1 bytes from a shared-memory table into
+``mma.sync`` fragments, the UE8M0 scale folded once per block); then the Triton grouped GEMM
+that decodes tiles for ``tl.dot``; from 64 the experts dequantized for the dense kernel.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 
 from quantfw.kernels.common import triton_available
 from quantfw.kernels.moe.sort import block_schedule, combine, single_group, sort_by_expert
+from quantfw.kernels.mxfp4 import layout
 
 
 @dataclass
@@ -33,24 +40,51 @@ class DenseWeights:
 
 @dataclass
 class Mxfp4Weights:
-    blocks: torch.Tensor  # [E, N, K/32, 16] uint8 ([N, K/32, 16] for a dense layer)
-    scales: torch.Tensor  # [E, N, K/32] uint8
+    """MXFP4 weights in the runtime layout (`mxfp4.layout`): ``qweight int32 [E, N_pad,
+    G_pad * 4]``, ``scales uint8 [E, N_pad, G_pad]`` (no E for a dense layer) of a weight
+    [E, n, k]."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    n: int
+    k: int
+
+    @classmethod
+    def pack(cls, blocks: torch.Tensor, scales: torch.Tensor) -> Mxfp4Weights:
+        """From the checkpoint's ``blocks [(E,) N, K/32, 16]`` / ``scales [(E,) N, K/32]``."""
+        qweight, s = layout.pack(blocks, scales)
+        return cls(qweight, s, blocks.shape[-3], 32 * blocks.shape[-2])
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        e, n, groups = self.scales.shape if self.scales.dim() == 3 else (1, *self.scales.shape)
-        return e, n, groups * 32
+        e = self.qweight.shape[0] if self.qweight.dim() == 3 else 1
+        return e, self.n, self.k
+
+    def grouped(self) -> Mxfp4Weights:
+        """A dense layer's weights as a group of one."""
+        if self.qweight.dim() == 3:
+            return self
+        return Mxfp4Weights(self.qweight.unsqueeze(0), self.scales.unsqueeze(0), self.n, self.k)
 
 
 ExpertWeights = DenseWeights | Mxfp4Weights
 
 
-def gpu_available(x: torch.Tensor) -> bool:
-    """Whether the Triton grouped GEMMs serve activations `x`: a CUDA tensor (fp16/bf16; fp32
-    runs full-precision dots, for checks) on compute capability >= 8.0 with Triton installed."""
-    if not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+def gpu_device(device: torch.device) -> bool:
+    """Whether the Triton grouped GEMMs run on `device`: CUDA, compute capability >= 8.0,
+    Triton installed."""
+    device = torch.device(device)
+    if device.type != "cuda":
         return False
-    return torch.cuda.get_device_capability(x.device) >= (8, 0) and triton_available()
+    return torch.cuda.get_device_capability(device) >= (8, 0) and triton_available()
+
+
+def gpu_available(x: torch.Tensor) -> bool:
+    """Whether the Triton grouped GEMMs serve activations `x`: fp16/bf16 (fp32 runs
+    full-precision dots, for checks) on a `gpu_device`."""
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return False
+    return gpu_device(x.device)
 
 
 def moe_forward(
@@ -73,7 +107,9 @@ def moe_forward(
     num_experts = w13.shape[0]
     rows = topk_ids.numel()
     mx = isinstance(w13, Mxfp4Weights)
-    cfg = config or grouped_gemm.default_config(rows, num_experts, *w13.shape[1:], mxfp4=mx)
+    cfg = config or grouped_gemm.default_config(
+        rows, num_experts, *w13.shape[1:], mxfp4=mx, dtype=x.dtype
+    )
     if cfg.get("DEQUANT") and mx:  # prefill: dense tensor-core GEMMs over dequantized experts
         w13, w2 = dequantize_dense(w13, x.dtype), dequantize_dense(w2, x.dtype)
     small = fused.align_fits(rows, num_experts)  # decode: one launch each for sort and combine
@@ -81,7 +117,7 @@ def moe_forward(
         sort, plan = fused.align(topk_ids, num_experts, cfg["BLOCK_M"])
     else:
         sort = sort_by_expert(topk_ids, num_experts)
-        plan = block_schedule(sort.m_indptr, rows, cfg["BLOCK_M"])
+        plan = block_schedule(sort.m_indptr, rows, cfg["BLOCK_M"], topk_ids.shape[-1])
     h = grouped_gemm.grouped_gemm(x, w13, plan, bias=w13_bias, gather=sort.token_index, config=cfg)
     y = grouped_gemm.grouped_gemm(activation(h), w2, plan, bias=w2_bias, config=cfg)
     return fused.combine(y, sort, topk_weights) if small else combine(y, sort, topk_weights)
@@ -91,22 +127,22 @@ def dequantize_dense(w: ExpertWeights, dtype: torch.dtype) -> DenseWeights:
     """`w` as `DenseWeights` in `dtype` (MXFP4 weights decoded on the GPU)."""
     if isinstance(w, DenseWeights):
         return w
-    from quantfw.kernels.mxfp4.triton.gemv import dequantize
+    from quantfw.kernels.mxfp4.triton.dequantize import dequantize
 
-    return DenseWeights(dequantize(w.blocks, w.scales, dtype))
+    return DenseWeights(dequantize(w, dtype))
 
 
 def linear(x: torch.Tensor, w: Mxfp4Weights, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] @ W.T (+ bias) for one MXFP4 matrix W [N, K]."""
+    """x [..., K] @ W.T (+ bias) for one MXFP4 matrix W [N, K] (a group of one)."""
     from quantfw.kernels.mxfp4.triton import grouped_gemm
 
     x2 = x.reshape(-1, x.shape[-1])
-    _, n, k = w.shape
-    weights = Mxfp4Weights(w.blocks.unsqueeze(0), w.scales.unsqueeze(0))
-    cfg = grouped_gemm.default_config(x2.shape[0], 1, n, k)
+    weights = w.grouped()
+    cfg = grouped_gemm.default_config(x2.shape[0], 1, w.n, w.k, dtype=x.dtype)
     if cfg.get("DEQUANT"):
-        d = dequantize_dense(w, x.dtype).weight
+        d = dequantize_dense(weights, x.dtype).weight[0]
         return torch.nn.functional.linear(x, d, bias)
     plan = single_group(x2.shape[0], cfg["BLOCK_M"], x.device)
     b = None if bias is None else bias.unsqueeze(0)
-    return grouped_gemm.grouped_gemm(x2, weights, plan, bias=b, config=cfg).view(*x.shape[:-1], n)
+    out = grouped_gemm.grouped_gemm(x2, weights, plan, bias=b, config=cfg)
+    return out.view(*x.shape[:-1], w.n)

@@ -13,9 +13,10 @@ docs/formats.md).
 Runtime: on Blackwell with FlashInfer installed, experts go through FlashInfer's MXFP8 x MXFP4
 grouped GEMM (`quantfw.kernels.mxfp4.flashinfer`; scales swizzled once after loading; not
 run on hardware by this project yet); on other CUDA GPUs (compute capability >= 8.0, Triton
-installed) our Triton grouped MXFP4 GEMM (`quantfw.kernels.mxfp4.grouped`; a dense layer is a
-group of one); elsewhere one expert (or layer) at a time is dequantized for a plain matmul and
-freed after it.
+installed) the weights are repacked once after loading (`quantfw.kernels.mxfp4.layout`) for
+our grouped kernels (`quantfw.kernels.mxfp4.grouped`; a dense layer is a group of one);
+elsewhere one expert (or layer) at a time is dequantized for a plain matmul and freed after
+it.
 """
 
 from __future__ import annotations
@@ -116,18 +117,49 @@ class Mxfp4LinearMethod(LinearMethodBase):
             set_weight_attrs(param, {**attrs, **more, **extra})
             layer.register_parameter(name, param)
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """On a GPU the Triton kernels serve: repack into their runtime layout once
+        (`mxfp4.layout`; buffers ``weight_qweight``, ``weight_qscales``)."""
+        _pack_for_gpu(layer, "weight")
+
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if grouped.gpu_available(x):
-            return grouped.linear(
-                x, grouped.Mxfp4Weights(layer.weight_blocks, layer.weight_scales), bias
-            )
+        packed = _packed(layer, "weight")
+        if packed is not None:
+            return grouped.linear(x, packed, bias)
         weight = mxfp4.dequantize(layer.weight_blocks, layer.weight_scales, x.dtype)
         return F.linear(x, weight, bias)
 
     def runtime_nbytes(self, layer: nn.Module) -> int:
+        packed = _packed(layer, "weight")
+        if packed is not None:
+            return packed.qweight.nbytes + packed.scales.nbytes
         return layer.weight_blocks.numel() + layer.weight_scales.numel()
+
+
+def _pack_for_gpu(layer: nn.Module, name: str) -> None:
+    """Replace ``<name>_blocks`` / ``<name>_scales`` of a layer on a GPU that the Triton kernels
+    serve by the runtime layout (buffers ``<name>_qweight``, ``<name>_qscales``)."""
+    blocks = getattr(layer, f"{name}_blocks")
+    if not grouped.gpu_device(blocks.device):
+        return
+    packed = grouped.Mxfp4Weights.pack(blocks.data, getattr(layer, f"{name}_scales").data)
+    replace_with_buffers(
+        layer,
+        (f"{name}_blocks", f"{name}_scales"),
+        {f"{name}_qweight": packed.qweight, f"{name}_qscales": packed.scales},
+    )
+    setattr(layer, f"{name}_mxfp4_size", (packed.n, packed.k))
+
+
+def _packed(layer: nn.Module, name: str) -> grouped.Mxfp4Weights | None:
+    """The runtime-layout weights `_pack_for_gpu` made, or None."""
+    qweight = getattr(layer, f"{name}_qweight", None)
+    if qweight is None:
+        return None
+    n, k = getattr(layer, f"{name}_mxfp4_size")
+    return grouped.Mxfp4Weights(qweight, getattr(layer, f"{name}_qscales"), n, k)
 
 
 class Mxfp4MoEMethod(FusedMoEMethodBase):
@@ -193,12 +225,15 @@ class Mxfp4MoEMethod(FusedMoEMethodBase):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """On Blackwell with FlashInfer: pad the experts and swizzle their scales once for
         FlashInfer's grouped GEMM (buffers ``w13_fi_*``/``w2_fi_*``) and drop the checkpoint
-        tensors. Elsewhere the checkpoint layout is what the kernels read."""
+        tensors. On other GPUs the Triton kernels serve: repack into their runtime layout
+        (`mxfp4.layout`; buffers ``w13_qweight``, ``w13_qscales``, ``w2_*``). On the CPU the
+        checkpoint layout is what the per-expert path reads."""
         from quantfw.kernels.mxfp4 import flashinfer
 
-        if layer.params_dtype not in (torch.float16, torch.bfloat16):
-            return
-        if not flashinfer.available(layer.w13_blocks.device):
+        fp16 = layer.params_dtype in (torch.float16, torch.bfloat16)
+        if not fp16 or not flashinfer.available(layer.w13_blocks.device):
+            _pack_for_gpu(layer, "w13")
+            _pack_for_gpu(layer, "w2")
             return
         w13 = flashinfer.FlashInferWeights.prepare(layer.w13_blocks.data, layer.w13_scales.data)
         w2 = flashinfer.FlashInferWeights.prepare(layer.w2_blocks.data, layer.w2_scales.data)
@@ -232,11 +267,10 @@ class Mxfp4MoEMethod(FusedMoEMethodBase):
                 w2=flashinfer.FlashInferWeights(layer.w2_fi_b, layer.w2_fi_scale, n2, k2),
                 w13_bias=w13_bias, w2_bias=w2_bias, activation=layer.activation,
             )  # fmt: skip
-        if grouped.gpu_available(x):
+        w13, w2 = _packed(layer, "w13"), _packed(layer, "w2")
+        if w13 is not None and w2 is not None:
             return grouped.moe_forward(
-                x, topk_weights, topk_ids,
-                w13=grouped.Mxfp4Weights(layer.w13_blocks, layer.w13_scales),
-                w2=grouped.Mxfp4Weights(layer.w2_blocks, layer.w2_scales),
+                x, topk_weights, topk_ids, w13=w13, w2=w2,
                 w13_bias=w13_bias, w2_bias=w2_bias, activation=layer.activation,
             )  # fmt: skip
 

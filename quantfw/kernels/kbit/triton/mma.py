@@ -1,5 +1,6 @@
-"""Gluon kernel for kbit (K = 2, 4) at small M: codebook lookups from a shared-memory table
-straight into ``mma.sync`` fragments, the E4M4 block scale applied once per block.
+"""Gluon kernel for kbit (K = 2, 4) and MXFP4 at small M: codebook lookups from a
+shared-memory table straight into ``mma.sync`` fragments, the block scale (E4M4, or MXFP4's
+UE8M0) applied once per block.
 
 It reads the field-packed layout of ``kbit/layout.py`` as it is (no second copy of a weight):
 ``qweight int32 [N_pad, KB_pad * bits]`` (column n, block b: ``bits`` words; K = 4: word ``w``
@@ -25,8 +26,15 @@ addresses it directly.
 
 Each block's two mma steps go into a fresh fp32 sum that is folded into the accumulator with
 the block's scale: E4M4 ``e m`` shifted left by 6 is the fp16 ``absmax / 16`` exactly
-(subnormals included), hence the table's factor 16.  Split-K partials meet in the W4A16
-kernel's self-cleaning workspace.
+(subnormals included), hence the table's factor 16; UE8M0 ``e`` shifted left by 23 is the fp32
+``2**(e - 127)`` (table factor 1).  Split-K partials meet in the W4A16 kernel's self-cleaning
+workspace.
+
+MXFP4 blocks are kbit K = 4 blocks byte for byte (16 bytes, element 2i in the low nibble of
+byte i), so `mxfp4.layout` only pads and quad-interleaves them, and the table holds the E2M1
+values.  With ``GROUPED`` the token tiles are the row blocks of a grouped GEMM over experts
+(`kernels.moe.BlockPlan`): each reads its expert's weights, scales and bias, gathers its x rows
+(``GATHER``) and stores its sorted rows (`grouped_lut_mma`).
 """
 
 from __future__ import annotations
@@ -40,13 +48,14 @@ from triton.experimental.gluon import language as gl
 from quantfw.kernels.common import splitk
 from quantfw.kernels.kbit.configs import MMA_BITS
 from quantfw.kernels.kbit.layout import _as_int32
+from quantfw.kernels.moe.sort import BlockPlan
 from quantfw.kernels.w4a16.triton.mma import (
     _mma,
     _tile_coords,
     _workspace,
     _zeros,
     as_int32_pairs,
-    epilogue,
+    epilogue_rows,
     fragment_tok_n,
 )
 
@@ -77,17 +86,29 @@ def _lookup_asm(bits: int, r: int, v: int, copies: int) -> str:
 
 
 @constexpr_function
-def _scale_fold_asm(j: int, r: int) -> str:
+def _scale_fold_asm(j: int, r: int, ue8m0: bool) -> str:
     """PTX: $0..$3 = acc ($4..$7) + s * partial ($8..$11), s the scale of columns g ($0, $1)
     and g + 8 ($2, $3) of word j: byte ``r`` of scale-bundle registers 2 (j % 2) and
-    2 (j % 2) + 1 ($12..$15)."""
+    2 (j % 2) + 1 ($12..$15).  E4M4 ``e m`` shifted left by 6 is the fp16 ``absmax / 16``;
+    UE8M0 ``e`` shifted left by 23 is the fp32 ``2**(e - 127)`` (e = 0: the subnormal
+    2**-127, 0x00400000)."""
     a, b = 12 + 2 * (j % 2), 13 + 2 * (j % 2)
+    if ue8m0:
+        decode = (
+            "and.b32 s, s, 0x00ff00ff; shl.b32 u, s, 23; shr.b32 s, s, 16; shl.b32 s, s, 23;\n"
+            "max.u32 u, u, 0x00400000; max.u32 s, s, 0x00400000;\n"
+            "mov.b32 s0, u; mov.b32 s1, s;\n"
+        )
+    else:
+        decode = (
+            "and.b32 s, s, 0x00ff00ff; shl.b32 s, s, 6;\n"
+            "mov.b32 {lo, hi}, s; cvt.f32.f16 s0, lo; cvt.f32.f16 s1, hi;\n"
+        )
     return (
-        "{ .reg .b32 s; .reg .b16 lo, hi; .reg .f32 s0, s1;\n"
+        "{ .reg .b32 s, u; .reg .b16 lo, hi; .reg .f32 s0, s1;\n"
         f"prmt.b32 s, ${a}, ${b}, {r + ((4 + r) << 8):#x};\n"
-        "and.b32 s, s, 0x00ff00ff; shl.b32 s, s, 6;\n"
-        "mov.b32 {lo, hi}, s; cvt.f32.f16 s0, lo; cvt.f32.f16 s1, hi;\n"
-        "fma.rn.f32 $0, s0, $8, $4; fma.rn.f32 $1, s0, $9, $5;\n"
+        + decode
+        + "fma.rn.f32 $0, s0, $8, $4; fma.rn.f32 $1, s0, $9, $5;\n"
         "fma.rn.f32 $2, s1, $10, $6; fma.rn.f32 $3, s1, $11, $7; }"
     )
 
@@ -108,8 +129,8 @@ def _lookup(
 
 
 @gluon.jit
-def _scale_fold(acc, part, sb, J: gl.constexpr, R: gl.constexpr):
-    asm: gl.constexpr = _scale_fold_asm(J, R)
+def _scale_fold(acc, part, sb, J: gl.constexpr, R: gl.constexpr, UE8M0: gl.constexpr):
+    asm: gl.constexpr = _scale_fold_asm(J, R, UE8M0)
     return gl.inline_asm_elementwise(
         asm, _FOLD_CONSTRAINTS, [acc, part, sb], dtype=gl.float32, is_pure=True, pack=4
     )
@@ -117,7 +138,7 @@ def _scale_fold(acc, part, sb, J: gl.constexpr, R: gl.constexpr):
 
 @gluon.jit
 def _load_chunk(
-    q_ptr, x_ptr, s_ptr, b0, q_off, x_off, x_pair, s_off, nb_ok, KBP, K2,
+    q_ptr, x_ptr, s_ptr, b0, q_off, x_off, x_pair, s_off, nb_ok, KBP, KBS, K2,
     CH: gl.constexpr, TM: gl.constexpr, BITS: gl.constexpr, MASK: gl.constexpr,
 ):  # fmt: skip
     """Every load of the chunk of CH blocks from block ``b0``: weight bundles (per 4 blocks and
@@ -134,7 +155,7 @@ def _load_chunk(
             col = (16 * (jt // 2) + 8 * (jt % 2)) * (KBP * BITS)
             ws = ws + (gl.load(q_ptr + q_off + (col + bq * BITS), mask=ok, other=0),)
         for h in gl.static_range(2):
-            col = 32 * h * (KBP // SCALE_BLOCKS)
+            col = 32 * h * KBS
             ss = ss + (gl.load(s_ptr + s_off + (col + bq // SCALE_BLOCKS), mask=ok, other=0),)
     for r in gl.static_range(CH):
         xp = (b0 + r) * 16
@@ -151,6 +172,7 @@ def _load_chunk(
 def _chunk(
     ws, xs, ss, accs, lb, sel, W: gl.constexpr, L3: gl.constexpr, CH: gl.constexpr,
     TM: gl.constexpr, BITS: gl.constexpr, COPIES: gl.constexpr, IS_BF16: gl.constexpr,
+    UE8M0: gl.constexpr,
 ):  # fmt: skip
     """The CH blocks of a chunk: per block and word j, two mma steps into a fresh partial sum,
     then acc += scale * partial."""
@@ -169,7 +191,9 @@ def _chunk(
                     part = _mma(xs[2 * rr + v], a, part, 0, TM, False, IS_BF16)
             sb = ss[2 * (rr // SCALE_BLOCKS) + j // 2]
             for h in gl.static_range(NH):
-                res = res + (_scale_fold(accs[NH * j + h], part[h], sb, j, rr % SCALE_BLOCKS),)
+                res = res + (
+                    _scale_fold(accs[NH * j + h], part[h], sb, j, rr % SCALE_BLOCKS, UE8M0),
+                )
         accs = res
     return accs
 
@@ -177,21 +201,30 @@ def _chunk(
 @gluon.jit
 def kbit_mma_kernel(
     x_ptr,  # int32 view of x [M, K/2] (pairs of activations)
-    q_ptr,  # int32 [N_pad, KB_pad * BITS] (field-packed)
-    s_ptr,  # int32 view of the E4M4 scales [N_pad, KB_pad / 4]
-    lut_ptr,  # int32 [256, EW]: per byte, the registers its levels make (times 16, x's dtype)
-    bias_ptr,
-    out_ptr,  # [M, N], x's dtype
-    ws_ptr,  # fp32 [>= M*N] zeros (split-K only)
+    q_ptr,  # int32 [(E,) N_pad, KBP * BITS] (field-packed)
+    s_ptr,  # int32 view of the block scales [(E,) N_pad, 4 KBS]
+    lut_ptr,  # int32 [256, EW]: per byte, the registers its levels make (in x's dtype)
+    bias_ptr,  # [(E,) N]
+    out_ptr,  # [M or rows, N], x's dtype
+    ws_ptr,  # fp32 [>= token tiles * TM * N_pad] zeros (split-K only)
     cnt_ptr,  # int32 [>= grid(0) * grid(1)] zeros (split-K only)
+    block_expert_ptr,  # GROUPED: int32 [token tiles], the tile's expert (E: none, exit)
+    block_row_ptr,  # GROUPED: int32 [token tiles], the tile's first sorted row
+    m_indptr_ptr,  # GROUPED: [E + 1], expert e's sorted rows m_indptr[e] .. m_indptr[e + 1]
+    gather_ptr,  # GATHER: [rows], the x row of each sorted row
     M,
     N,  # true output features (stores are masked to them)
     K2,  # true input features / 2 (x pairs)
     NB,  # N_pad / 64
-    KBP,  # KB_pad: blocks of 32 per column
+    KBP,  # blocks of 32 per weight row (a multiple of 4)
+    KBS,  # int32 scale words per row (4 blocks each)
     n_iter,  # chunks per CTA
+    num_experts,
     stride_xm,  # in int32 units
     stride_om,
+    stride_qe,  # GROUPED: per expert, in int32 units (q, s) and elements (bias)
+    stride_se,
+    stride_be,
     W: gl.constexpr,  # warps per CTA, one 64-column block each
     CH: gl.constexpr,  # blocks per chunk (a multiple of 4)
     TM: gl.constexpr,  # tokens per CTA tile: 8 or 16
@@ -200,14 +233,30 @@ def kbit_mma_kernel(
     BITS: gl.constexpr,  # 2 or 4
     PIPE: gl.constexpr,  # prefetch the next chunk while computing this one
     MASK_N: gl.constexpr,  # NB is not a multiple of W
-    MASK_K: gl.constexpr,  # the chunks overrun KB_pad
+    MASK_K: gl.constexpr,  # the chunks overrun KBP
     HAS_BIAS: gl.constexpr,
     IS_BF16: gl.constexpr,
+    UE8M0: gl.constexpr = False,  # scales are UE8M0 (MXFP4), not E4M4
+    GROUPED: gl.constexpr = False,  # token tiles are the row blocks of a grouped GEMM
+    GATHER: gl.constexpr = False,
 ):
     L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [W, 1, 1], [2, 1, 0])
     EW: gl.constexpr = 1 if BITS == 4 else 2  # table words per entry
     mt = gl.program_id(1)
     sp = gl.program_id(2)
+    if GROUPED:  # the token tile is rows row0 .. of one expert
+        expert = gl.load(block_expert_ptr + mt)
+        if expert >= num_experts:
+            return
+        row0 = gl.load(block_row_ptr + mt)
+        rows = gl.load(m_indptr_ptr + expert + 1).to(gl.int32) - row0
+        e = expert.to(gl.int64)
+        q_ptr = q_ptr + e * stride_qe
+        s_ptr = s_ptr + e * stride_se
+        bias_ptr = bias_ptr + e * stride_be
+    else:
+        row0 = mt * TM
+        rows = M - row0
 
     nb, l3, r3, g, c, w3 = _tile_coords(W, W, L3)
     if MASK_N:
@@ -226,28 +275,31 @@ def kbit_mma_kernel(
     # (its word `word`: quad-interleaved, the 4 are contiguous);
     # scale bundle h: column 64 nb + 32 h + 16 (r3 // 2) + 8 (r3 % 2) + g (j = 2h + r3 // 2)
     q_off = (nb * 64 + g) * (KBP * BITS) + 4 * word + r3
-    s_off = (nb * 64 + 16 * (r3 // 2) + 8 * (r3 % 2) + g) * (KBP // SCALE_BLOCKS)
+    s_off = (nb * 64 + 16 * (r3 // 2) + 8 * (r3 % 2) + g) * KBS
     # x: TM = 8: token g, pairs 4c + r3 of the block; TM = 16: token g + 8 (r3 // 2), pairs
-    # 4c + 2v + r3 % 2.  Tokens past M read row M - 1 (never stored).
+    # 4c + 2v + r3 % 2.  Tokens past the tile's rows read its last row (never stored).
     if TM == 8:
-        xm = mt * 8 + g + 0 * r3
+        xt = g + 0 * r3
         x_pair = 4 * c + r3
     else:
-        xm = mt * 16 + g + 8 * (r3 // 2)
+        xt = g + 8 * (r3 // 2)
         x_pair = 4 * c + r3 % 2
-    x_off = gl.minimum(xm, M - 1) * stride_xm + x_pair
+    xm = row0 + gl.minimum(xt, rows - 1)
+    if GATHER:
+        xm = gl.load(gather_ptr + xm).to(gl.int32)
+    x_off = xm * stride_xm + x_pair
 
     # the first chunk's loads go out before the table is built
     ws, xs, ss = _load_chunk(
-        q_ptr, x_ptr, s_ptr, sp * CH, q_off, x_off, x_pair, s_off, nb_ok, KBP, K2,
+        q_ptr, x_ptr, s_ptr, sp * CH, q_off, x_off, x_pair, s_off, nb_ok, KBP, KBS, K2,
         CH, TM, BITS, MASK_K,
     )  # fmt: skip
     # the table, COPIES times: word (e COPIES + copy) EW + i = lut[e, i]; consecutive lanes
     # store consecutive copies (no bank conflicts)
     LF: gl.constexpr = gl.BlockedLayout([1, 1, EW], [32 // COPIES, COPIES, 1], [W, 1, 1], [2, 1, 0])
-    e = gl.arange(0, 256, layout=gl.SliceLayout(1, gl.SliceLayout(1, LF)))
-    i = gl.arange(0, EW, layout=gl.SliceLayout(0, gl.SliceLayout(1, LF)))
-    lut2 = gl.load(lut_ptr + gl.expand_dims(e, 1) * EW + gl.expand_dims(i, 0))
+    le = gl.arange(0, 256, layout=gl.SliceLayout(1, gl.SliceLayout(1, LF)))
+    li = gl.arange(0, EW, layout=gl.SliceLayout(0, gl.SliceLayout(1, LF)))
+    lut2 = gl.load(lut_ptr + gl.expand_dims(le, 1) * EW + gl.expand_dims(li, 0))
     lut3 = gl.expand_dims(lut2, 1) + gl.zeros([256, COPIES, EW], gl.int32, LF)
     table = gl.allocate_shared_memory(
         gl.int32, [256, COPIES, EW], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
@@ -260,24 +312,24 @@ def kbit_mma_kernel(
         b_next = ((it + 1) * SPLIT + sp) * CH
         if PIPE:  # the next chunk's loads before this chunk's math
             nws, nxs, nss = _load_chunk(
-                q_ptr, x_ptr, s_ptr, b_next, q_off, x_off, x_pair, s_off, nb_ok, KBP, K2,
-                CH, TM, BITS, MASK_K,
+                q_ptr, x_ptr, s_ptr, b_next, q_off, x_off, x_pair, s_off, nb_ok, KBP, KBS,
+                K2, CH, TM, BITS, MASK_K,
             )  # fmt: skip
-            accs = _chunk(ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16)
+            accs = _chunk(ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16, UE8M0)
             ws = nws
             xs = nxs
             ss = nss
         else:
-            accs = _chunk(ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16)
+            accs = _chunk(ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16, UE8M0)
             ws, xs, ss = _load_chunk(
-                q_ptr, x_ptr, s_ptr, b_next, q_off, x_off, x_pair, s_off, nb_ok, KBP, K2,
-                CH, TM, BITS, MASK_K,
+                q_ptr, x_ptr, s_ptr, b_next, q_off, x_off, x_pair, s_off, nb_ok, KBP, KBS,
+                K2, CH, TM, BITS, MASK_K,
             )  # fmt: skip
-    accs = _chunk(ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16)
+    accs = _chunk(ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16, UE8M0)
 
     tok, n = fragment_tok_n(c, g, r3, nb)
-    epilogue(
-        accs, out_ptr, ws_ptr, cnt_ptr, bias_ptr, mt, tok, n, M, N, NB, stride_om,
+    epilogue_rows(
+        accs, out_ptr, ws_ptr, cnt_ptr, bias_ptr, mt, row0, rows, tok, n, N, NB, stride_om,
         TM, SPLIT, HAS_BIAS,
     )  # fmt: skip
 
@@ -286,18 +338,68 @@ def kbit_mma_kernel(
 # host side
 
 
-def lookup_table(codebook: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
+def lookup_table(
+    codebook: torch.Tensor, bits: int, dtype: torch.dtype, factor: float = 16.0
+) -> torch.Tensor:
     """int32 ``[256, 1]`` (K = 4) or ``[256, 2]`` (K = 2): for each byte value, the mma
-    registers its 2 or 4 fields make, as ``16 * codebook[field]`` in `dtype` (low half = the
-    lower field)."""
+    registers its 2 or 4 fields make, as ``factor * codebook[field]`` in `dtype` (low half =
+    the lower field; 16 undoes the E4M4 scale's ``absmax / 16``, UE8M0 scales take 1)."""
     if bits not in MMA_BITS:
         raise ValueError(f"kbit mma kernel: bits must be one of {MMA_BITS}, got {bits}")
     byte = torch.arange(256, device=codebook.device)
     f = 8 // bits  # fields per byte, lowest bits first
     fields = (byte[:, None] >> (bits * torch.arange(f, device=byte.device))) & ((1 << bits) - 1)
-    half = (16 * codebook.to(torch.float32)[fields]).to(dtype).view(torch.int16)
+    half = (factor * codebook.to(torch.float32)[fields]).to(dtype).view(torch.int16)
     half = half.to(torch.int64) & 0xFFFF
     return _as_int32(half[:, 0::2] | (half[:, 1::2] << 16)).contiguous()
+
+
+def _check_options(bits: int, chunk: int, copies: int) -> None:
+    if bits not in MMA_BITS:
+        raise ValueError(f"kbit mma kernel: bits must be one of {MMA_BITS}, got {bits}")
+    if chunk % SCALE_BLOCKS.value or chunk <= 0:
+        raise ValueError(f"kbit mma kernel: chunk={chunk} blocks must be a multiple of 4")
+    if copies not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"kbit mma kernel: copies={copies} must be a power of two <= 32")
+
+
+def _launch(
+    x2, qweight, scales, lut, out, N, bits, bias, tm, token_tiles, *, group=None, ue8m0=False,
+    planned_tiles=None, warps=4, chunk=4, ctas_per_sm=4, copies=1, pipe=False, maxnreg=None,
+):  # fmt: skip
+    """One launch of `kbit_mma_kernel` over ``token_tiles`` tiles of ``tm`` tokens (the split
+    along K planned for ``planned_tiles`` of them, default all); ``group``: (block_expert,
+    block_row, m_indptr, gather or None) of a grouped GEMM over the leading (expert) dim of
+    qweight / scales / bias."""
+    _check_options(bits, chunk, copies)
+    K = x2.shape[1]
+    n_pad, kbp = qweight.shape[-2], qweight.shape[-1] // bits
+    NB = n_pad // 64
+    tiles = triton.cdiv(NB, warps) * token_tiles
+    planned = triton.cdiv(NB, warps) * max(1, planned_tiles or token_tiles)
+    split, n_iter = splitk.split_plan(
+        triton.cdiv(kbp, chunk), planned, splitk.num_sms(x2.device), ctas_per_sm
+    )
+    grid = (triton.cdiv(NB, warps), token_tiles, split)
+    ws, cnt = _workspace(x2.device, token_tiles * tm * n_pad if split > 1 else 1, tiles)
+    grouped = group is not None
+    block_expert, block_row, m_indptr, gather = group if grouped else (out, out, out, None)
+    has_bias = bias is not None
+    sw = scales.view(torch.int32)
+    kbit_mma_kernel[grid](
+        x2.view(torch.int32), qweight, sw, lut, bias if has_bias else out, out, ws, cnt,
+        block_expert, block_row, m_indptr, gather if gather is not None else out,
+        x2.shape[0], N, K // 2, NB, kbp, sw.shape[-1], n_iter,
+        qweight.shape[0] if grouped else 1, x2.stride(0) // 2, out.stride(0),
+        qweight.stride(0) if grouped else 0, sw.stride(0) if grouped else 0,
+        bias.stride(0) if grouped and has_bias else 0,
+        W=warps, CH=chunk, TM=tm, SPLIT=split, COPIES=copies, BITS=bits, PIPE=pipe,
+        MASK_N=NB % warps != 0, MASK_K=split * n_iter * chunk != kbp,
+        HAS_BIAS=has_bias, IS_BF16=x2.dtype == torch.bfloat16, UE8M0=ue8m0,
+        GROUPED=grouped, GATHER=gather is not None, num_warps=warps,
+        **({} if maxnreg is None else {"maxnreg": maxnreg}),
+    )  # fmt: skip
+    return out
 
 
 def kbit_mma_matmul(
@@ -321,33 +423,43 @@ def kbit_mma_matmul(
     ``chunk`` blocks of 32 per K step (a multiple of 4), ``copies`` of the table in shared
     memory (1..32, a power of two), ``warps`` 64-column blocks per CTA, ``maxnreg`` a cap on
     registers per thread (None: the compiler's choice)."""
-    if bits not in MMA_BITS:
-        raise ValueError(f"kbit mma kernel: bits must be one of {MMA_BITS}, got {bits}")
-    if chunk % SCALE_BLOCKS.value or chunk <= 0:
-        raise ValueError(f"kbit mma kernel: chunk={chunk} blocks must be a multiple of 4")
-    if copies not in (1, 2, 4, 8, 16, 32):
-        raise ValueError(f"kbit mma kernel: copies={copies} must be a power of two <= 32")
-    M, K = x2.shape
-    n_pad, kbp = scales.shape
-    NB = n_pad // 64
     x2 = as_int32_pairs(x2)
+    M = x2.shape[0]
     tm = 8 if M <= 8 else 16
-    mt = triton.cdiv(M, tm)
-    tiles = triton.cdiv(NB, warps) * mt
-    split, n_iter = splitk.split_plan(
-        triton.cdiv(kbp, chunk), tiles, splitk.num_sms(x2.device), ctas_per_sm
-    )
     out = torch.empty(M, N, device=x2.device, dtype=x2.dtype)
-    grid = (triton.cdiv(NB, warps), mt, split)
-    ws, cnt = _workspace(x2.device, mt * tm * n_pad if split > 1 else 1, grid[0] * mt)
-    has_bias = bias is not None
-    kbit_mma_kernel[grid](
-        x2.view(torch.int32), qweight, scales.view(torch.int32), lut,
-        bias if has_bias else out, out, ws, cnt,
-        M, N, K // 2, NB, kbp, n_iter, x2.stride(0) // 2, out.stride(0),
-        W=warps, CH=chunk, TM=tm, SPLIT=split, COPIES=copies, BITS=bits, PIPE=pipe,
-        MASK_N=NB % warps != 0, MASK_K=split * n_iter * chunk != kbp,
-        HAS_BIAS=has_bias, IS_BF16=x2.dtype == torch.bfloat16, num_warps=warps,
-        **({} if maxnreg is None else {"maxnreg": maxnreg}),
+    return _launch(
+        x2, qweight, scales, lut, out, N, bits, bias, tm, triton.cdiv(M, tm), warps=warps,
+        chunk=chunk, ctas_per_sm=ctas_per_sm, copies=copies, pipe=pipe, maxnreg=maxnreg,
     )  # fmt: skip
-    return out
+
+
+def grouped_lut_mma(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    lut: torch.Tensor,
+    N: int,
+    plan: BlockPlan,
+    *,
+    gather: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    ue8m0: bool = False,
+    **config,
+) -> torch.Tensor:
+    """Grouped GEMM of 4-bit codebook weights: ``out [plan.num_rows, N]``, row r of expert e
+    ``x[gather[r] if gather is not None else r] @ W[e].T (+ bias[e])`` for ``qweight`` int32
+    ``[E, N_pad, KBP * 4]``, ``scales`` uint8 ``[E, N_pad, 4 KBS]`` (E4M4, or UE8M0 with
+    `ue8m0`), the plan's row blocks of ``plan.block_m`` (8 or 16) tokens, the split along K
+    planned for the fewest real blocks (``plan.min_blocks``); `config`: the options of
+    `kbit_mma_matmul`."""
+    if plan.block_m not in (8, 16):
+        raise ValueError(f"grouped_lut_mma: row blocks of 8 or 16, got {plan.block_m}")
+    x = as_int32_pairs(x)
+    out = torch.empty(plan.num_rows, N, device=x.device, dtype=x.dtype)
+    if plan.num_rows == 0 or plan.num_blocks == 0:
+        return out
+    group = (plan.block_expert, plan.block_row, plan.m_indptr, gather)
+    return _launch(
+        x, qweight, scales, lut, out, N, 4, bias, plan.block_m, plan.num_blocks, group=group,
+        ue8m0=ue8m0, planned_tiles=plan.min_blocks or plan.num_blocks, **config,
+    )  # fmt: skip

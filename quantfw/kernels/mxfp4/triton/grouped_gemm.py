@@ -1,23 +1,25 @@
 """Grouped GEMM over experts: ``out[r] = a[src(r)] @ W[e(r)].T (+ bias[e(r)])`` for rows sorted
-by expert, with W dense ([E, N, K] in the activation dtype) or MXFP4 (the checkpoint's
-``blocks [E, N, K/32, 16]`` and ``scales [E, N, K/32]``, used as stored: no repack).
+by expert, with W dense ([E, N, K] in the activation dtype) or MXFP4 in the runtime layout of
+`mxfp4.layout` (``qweight`` read as bytes ``[E, N_pad, K_pad / 2]``, ``scales [E, N_pad,
+K_pad / 32]``).
 
 One program computes a [BLOCK_M, BLOCK_N] tile of one expert's rows (`kernels.moe.BlockPlan`),
 gathering activation rows through the token index on the W13 side. MXFP4 weights are decoded
-into the dot's operand tile by tile in registers (`_decode_tile`): byte j of a row holds values
-2j (low nibble) and 2j+1 (high nibble), joined back into k order; a code c becomes float32 bits
-``sign << 31 | (c & 7) << 22`` (the E2M1 value times 2**-126) times 2**127, i.e. twice its value
-exactly; the UE8M0 byte s (one per 32 values, broadcast in registers) becomes the float32 2**(s -
-128) (a subnormal for s <= 1); their product rounds once, as `mxfp4.format.dequantize` does.
-Activation tiles are loaded contiguously.
+into the dot's operand tile by tile in registers (`_decode_tile`): a tile of BLOCK_K inputs is
+BLOCK_K / 128 quads of 64 contiguous bytes, decoded in their byte order (kbit's ``quad_k``
+order; the activations are loaded in the same order, so the dot is unchanged); a code c becomes
+float32 bits ``sign << 31 | (c & 7) << 22`` (the E2M1 value times 2**-126) times 2**127, i.e.
+twice its value exactly; the UE8M0 byte s (one per 32 values, broadcast in registers) becomes
+the float32 2**(s - 128) (a subnormal for s <= 1); their product rounds once, as
+`mxfp4.format.dequantize` does.
 
 With ``SWAP`` the kernel computes the transposed tile ``W @ A.T``: the decoded weight tile is
 the MMA's first operand, which Hopper's wgmma reads from registers and which fills wgmma's M >=
-64 with BLOCK_N when only a few rows are routed to an expert; ``DOT_SCALED`` (with SWAP) lets
-``tl.dot_scaled`` decode the E2M1 tile instead. `default_config` picks, by rows per expert, the
-one-row GEMV of `gemv.py` (decode), this kernel (a few rows), or dequantized experts and the
-dense kernel (prefill); `benchmarks/bench_mxfp4.py --sweep` times others, and
-`benchmarks/mxfp4-lab-log.md` has the measurements.
+64 with BLOCK_N when only a few rows are routed to an expert. ``LUT`` configs run the
+codebook-lookup mma kernel (`kbit/triton/mma.py`) instead. `default_config` picks, by rows per
+expert, LUT (decode), this kernel (a few rows), or dequantized experts and the dense kernel
+(prefill); `benchmarks/bench_mxfp4.py --sweep` times others, and `benchmarks/mxfp4-lab-log.md`
+has the measurements.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from quantfw.kernels.kbit.triton.kernels import quad_k
 from quantfw.kernels.moe.sort import BlockPlan
 
 
@@ -45,27 +48,16 @@ def _ue8m0_half(s):
 
 @triton.jit
 def _decode_tile(packed, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """float32 [BLOCK_N, BLOCK_K] weights from packed bytes [BLOCK_N, BLOCK_K / 2] and their
-    UE8M0 bytes [BLOCK_N, BLOCK_K / 32]: the low and high nibble of byte j are joined as k = 2j
-    and 2j + 1, and each run of 32 k shares one scale (broadcast in registers)."""
+    """float32 [BLOCK_N, BLOCK_K] weights, in ``quad_k`` order, from packed bytes [BLOCK_N,
+    BLOCK_K / 2] (whole quads) and their UE8M0 bytes [BLOCK_N, BLOCK_K / 32]: byte ``64 q + 16 j
+    + 4 r + b`` holds inputs ``128 q + 32 r + 8 j + 2 b`` (low nibble) and ``+ 1``, of block
+    ``4 q + r``, whose scale is broadcast in registers."""
+    Q: tl.constexpr = BLOCK_K // 128
     p = packed.to(tl.int32)
     w = tl.join(_e2m1_times_two(p & 15), _e2m1_times_two(p >> 4))  # [BN, BK / 2, 2]
-    w = tl.reshape(w, [BLOCK_N, BLOCK_K // 32, 32]) * _ue8m0_half(s.to(tl.int32))[:, :, None]
+    scale = tl.reshape(_ue8m0_half(s.to(tl.int32)), [BLOCK_N, Q, 1, 4, 1])
+    w = tl.reshape(w, [BLOCK_N, Q, 4, 4, 8]) * scale
     return tl.reshape(w, [BLOCK_N, BLOCK_K])
-
-
-@triton.jit
-def _dot_scaled(acc, a, packed, s):
-    """acc [BLOCK_N, BLOCK_M] + W @ a.T through ``tl.dot_scaled``, the weight tile (E2M1 packed
-    along K, low nibble first, as the checkpoint stores it) as the scaled left operand: Triton
-    decodes it and applies the UE8M0 scales itself. (The unswapped form, with the weights as the
-    right operand, gave wrong results on sm_90 with Triton 3.6.)"""
-    fp4: tl.constexpr = tl.constexpr("e2m1")
-    if a.dtype == tl.float16:
-        fmt: tl.constexpr = tl.constexpr("fp16")
-    else:
-        fmt: tl.constexpr = tl.constexpr("bf16")
-    return tl.dot_scaled(packed, s, fp4, tl.trans(a), None, fmt, acc)
 
 
 @triton.jit
@@ -97,6 +89,7 @@ def _grouped_gemm_kernel(
     m_indptr_ptr,
     N,
     K,
+    KP,  # MXFP4: inputs per weight row, padded (G_pad * 32)
     num_experts,
     stride_am,
     stride_we,
@@ -110,7 +103,6 @@ def _grouped_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     IEEE: tl.constexpr,
     SWAP: tl.constexpr,
-    DOT_SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -139,7 +131,7 @@ def _grouped_gemm_kernel(
     if MXFP4:
         HALF: tl.constexpr = BLOCK_K // 2
         GROUPS: tl.constexpr = BLOCK_K // 32
-        offs_k = tl.arange(0, BLOCK_K)
+        offs_k = quad_k(BLOCK_K, 4)  # the decoded tile's input order
         j = tl.arange(0, HALF)
         g = tl.arange(0, GROUPS)
         w_rows = w_ptr + e * stride_we + offs_n[:, None] * stride_wn
@@ -149,19 +141,16 @@ def _grouped_gemm_kernel(
             a = tl.load(a_rows + k[None, :], mask=row_mask[:, None] & (k < K)[None, :], other=0.0)
             packed = tl.load(
                 w_rows + (k0 // 2 + j)[None, :],
-                mask=n_mask[:, None] & (k0 + 2 * j < K)[None, :],
+                mask=n_mask[:, None] & (k0 + 2 * j < KP)[None, :],
                 other=0,
             )
             s = tl.load(
                 s_rows + (k0 // 32 + g)[None, :],
-                mask=n_mask[:, None] & (k0 + 32 * g < K)[None, :],
+                mask=n_mask[:, None] & (k0 + 32 * g < KP)[None, :],
                 other=0,
             )
-            if DOT_SCALED:
-                acc = _dot_scaled(acc, a, packed, s)
-            else:
-                w = _decode_tile(packed, s, BLOCK_N, BLOCK_K).to(a.dtype)
-                acc = _mma(acc, a, w, SWAP, IEEE)
+            w = _decode_tile(packed, s, BLOCK_N, BLOCK_K).to(a.dtype)
+            acc = _mma(acc, a, w, SWAP, IEEE)
     else:
         offs_k = tl.arange(0, BLOCK_K)
         w_rows = w_ptr + e * stride_we + offs_n[:, None] * stride_wn
@@ -180,21 +169,31 @@ def _grouped_gemm_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
-#: rows per expert up to which `default_config` picks the CUDA-core GEMV (decode), and from
-#: which it dequantizes the experts for a dense tensor-core grouped GEMM (prefill)
-GEMV_MAX_ROWS_PER_EXPERT = 1.5
+#: rows per expert up to which `default_config` picks the lookup mma kernel (decode), and
+#: from which it dequantizes the experts for a dense tensor-core grouped GEMM (prefill)
+LUT_MAX_ROWS_PER_EXPERT = 16
 DEQUANT_MIN_ROWS_PER_EXPERT = 64
+#: the lookup mma kernel's options (`kbit.triton.mma.kbit_mma_matmul`) at decode
+LUT_OPTIONS = {"copies": 32, "ctas_per_sm": 3, "chunk": 4}
 
 
-def default_config(rows: int, num_experts: int, n: int, k: int, mxfp4: bool = True) -> dict:
-    """A kernel configuration for `rows` sorted rows over `num_experts` experts of [n, k]
-    (picked by rows per expert from the H200 sweep in benchmarks/results/mxfp4/;
-    `benchmarks/bench_mxfp4.py --sweep` times others). ``GEMV``: `gemv._grouped_gemv_kernel`,
-    one row per block; ``DEQUANT``: MXFP4 experts are dequantized, then the dense kernel runs."""
+def default_config(
+    rows: int,
+    num_experts: int,
+    n: int,
+    k: int,
+    mxfp4: bool = True,
+    dtype: torch.dtype = torch.bfloat16,
+) -> dict:
+    """A kernel configuration for `rows` sorted rows of `dtype` over `num_experts` experts of
+    [n, k] (picked by rows per expert from the H200 measurements in benchmarks/results/mxfp4/;
+    `benchmarks/bench_mxfp4.py --sweep` times others). ``LUT``: the lookup mma kernel (MXFP4,
+    fp16/bf16), row blocks of 8 or 16; ``DEQUANT``: MXFP4 experts are dequantized, then the
+    dense kernel runs."""
     per_expert = rows / max(1, min(rows, num_experts))
-    if mxfp4 and per_expert <= GEMV_MAX_ROWS_PER_EXPERT:
-        return {"BLOCK_M": 1, "BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3,
-                "GEMV": True}  # fmt: skip
+    lut = mxfp4 and dtype in (torch.float16, torch.bfloat16)
+    if lut and per_expert <= LUT_MAX_ROWS_PER_EXPERT:
+        return {"BLOCK_M": 8 if per_expert <= 8 else 16, "LUT": True, **LUT_OPTIONS}
     if per_expert <= 16:
         return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3,
                 "SWAP": True}  # fmt: skip
@@ -203,6 +202,22 @@ def default_config(rows: int, num_experts: int, n: int, k: int, mxfp4: bool = Tr
                 "SWAP": True}  # fmt: skip
     return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3,
             "DEQUANT": mxfp4}  # fmt: skip
+
+
+_LUTS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def e2m1_lookup_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The lookup mma kernel's table of the E2M1 values (per byte, its two values in `dtype`),
+    made once per device and dtype."""
+    key = (torch.device(device), dtype)
+    if key not in _LUTS:
+        from quantfw.kernels.kbit.triton.mma import lookup_table
+        from quantfw.kernels.mxfp4.format import FP4_VALUES
+
+        values = torch.tensor(FP4_VALUES, dtype=torch.float32, device=device)
+        _LUTS[key] = lookup_table(values, 4, dtype, factor=1.0)
+    return _LUTS[key]
 
 
 def grouped_gemm(
@@ -216,8 +231,9 @@ def grouped_gemm(
 ) -> torch.Tensor:
     """out [plan.num_rows, N] in a's dtype: row r of expert e is ``a[gather[r] if gather is not
     None else r] @ W[e].T + bias[e]``. `weights` is a `grouped.DenseWeights` or
-    `grouped.Mxfp4Weights`; `config` holds BLOCK_M (equal to the plan's), BLOCK_N, BLOCK_K
-    (a multiple of 32 for MXFP4), num_warps, num_stages and optionally SWAP."""
+    `grouped.Mxfp4Weights` (experts [E, ...]); `config` holds BLOCK_M (equal to the plan's) and
+    either ``LUT`` with the lookup kernel's options, or BLOCK_N, BLOCK_K (a multiple of 128 for
+    MXFP4), num_warps, num_stages and optionally SWAP."""
     from quantfw.kernels.mxfp4.grouped import Mxfp4Weights
 
     num_experts, n, k = weights.shape
@@ -225,32 +241,37 @@ def grouped_gemm(
         raise ValueError(f"grouped_gemm: activations {tuple(a.shape)} do not match K={k}")
     if config["BLOCK_M"] != plan.block_m:
         raise ValueError(f"grouped_gemm: BLOCK_M {config['BLOCK_M']} != plan's {plan.block_m}")
+    mx = isinstance(weights, Mxfp4Weights)
+    if config.get("LUT"):
+        if not mx or a.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"grouped_gemm: LUT needs MXFP4 weights and fp16/bf16 activations, got "
+                f"{type(weights).__name__} and {a.dtype}"
+            )
+        from quantfw.kernels.kbit.triton.mma import grouped_lut_mma
+
+        options = {key: v for key, v in config.items() if key not in ("BLOCK_M", "LUT")}
+        return grouped_lut_mma(
+            a, weights.qweight, weights.scales, e2m1_lookup_table(a.device, a.dtype), n, plan,
+            gather=gather, bias=bias, ue8m0=True, **options,
+        )  # fmt: skip
     out = torch.empty(plan.num_rows, n, dtype=a.dtype, device=a.device)
     if plan.num_rows == 0 or plan.num_blocks == 0:
         return out
-    mx = isinstance(weights, Mxfp4Weights)
     if mx:
-        w = weights.blocks.reshape(num_experts, n, k // 2)
-        s = weights.scales.reshape(num_experts, n, k // 32)
-        if config["BLOCK_K"] % 32:
+        w = weights.qweight.view(torch.uint8)  # [E, N_pad, K_pad / 2]
+        s = weights.scales
+        kp = 2 * w.shape[-1]
+        if config["BLOCK_K"] % 128:
             raise ValueError(
-                f"grouped_gemm: MXFP4 needs BLOCK_K % 32 == 0, got {config['BLOCK_K']}"
+                f"grouped_gemm: MXFP4 needs BLOCK_K % 128 == 0 (whole quads of blocks), got "
+                f"{config['BLOCK_K']}"
             )
     else:
         w = s = weights.weight
+        kp = k
     if w.stride(-1) != 1 or s.stride(-1) != 1:
         raise ValueError("grouped_gemm: weights need a unit stride along K")
-    if config.get("DOT_SCALED") and not config.get("SWAP"):
-        raise ValueError(
-            "grouped_gemm: DOT_SCALED needs SWAP (the weights as the scaled left operand)"
-        )
-    if config.get("GEMV"):
-        if not mx or plan.block_m != 1:
-            raise ValueError("grouped_gemm: GEMV needs MXFP4 weights and a plan of one-row blocks")
-        from quantfw.kernels.mxfp4.triton.gemv import grouped_gemv
-
-        grouped_gemv(a, w, s, plan, bias, gather, out, config)
-        return out
     grid = (plan.num_blocks, triton.cdiv(n, config["BLOCK_N"]))
     _grouped_gemm_kernel[grid](
         a,
@@ -264,6 +285,7 @@ def grouped_gemm(
         plan.m_indptr,
         n,
         k,
+        kp,
         num_experts,
         a.stride(0),
         w.stride(0),
@@ -277,7 +299,6 @@ def grouped_gemm(
         HAS_BIAS=bias is not None,
         IEEE=a.dtype == torch.float32,
         SWAP=config.get("SWAP", False),
-        DOT_SCALED=mx and config.get("DOT_SCALED", False) and a.dtype != torch.float32,
         BLOCK_M=config["BLOCK_M"],
         BLOCK_N=config["BLOCK_N"],
         BLOCK_K=config["BLOCK_K"],

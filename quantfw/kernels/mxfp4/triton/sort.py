@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from quantfw.kernels.moe.sort import BlockPlan, ExpertSort
+from quantfw.kernels.moe.sort import BlockPlan, ExpertSort, fewest_blocks
 
 ALIGN_MAX_TILE = 16384
 
@@ -103,7 +103,8 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[Exper
         num_warps=8 if rows_p * experts_p >= 8192 else 4,
     )
     sort = ExpertSort(token_index, expert_of_row, inverse, m_indptr, top_k)
-    return sort, BlockPlan(block_expert, block_row, m_indptr, rows, block_m)
+    least = fewest_blocks(rows, block_m, top_k, num_blocks)
+    return sort, BlockPlan(block_expert, block_row, m_indptr, rows, block_m, least)
 
 
 @triton.jit

@@ -384,15 +384,16 @@ def _finish_tile(
 
 @gluon.jit
 def _finish(
-    accs, out_ptr, ws_ptr, bias_ptr, m0, tok, n, M, N, NP, stride_om,
+    accs, out_ptr, ws_ptr, bias_ptr, w0, o0, rows, tok, n, N, NP, stride_om,
     TM: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, LAST: gl.constexpr,
     PER_ACC: gl.constexpr,
 ):  # fmt: skip
-    # PER_ACC: accs[(TM // 8) j + h] holds columns n + 16 j, tokens m0 + tok + 8 h; otherwise
-    # accs is one tensor whose n and tok already include j and h.
+    # PER_ACC: accs[(TM // 8) j + h] holds columns n + 16 j, tokens tok + 8 h; otherwise
+    # accs is one tensor whose n and tok already include j and h.  Token t of the tile is
+    # output row o0 + t (t < rows) and workspace row w0 + t.
     # Workspace of a token tile: [NP columns, its tokens], so a warp's adds cover whole sectors
     # (M = 1: consecutive columns; M >= 8: the 8 tokens of a column).
-    pitch = gl.minimum(M - m0, TM)
+    pitch = gl.minimum(rows, TM)
     NJ: gl.constexpr = 4 if PER_ACC else 1
     NH: gl.constexpr = TM // 8 if PER_ACC else 1
     for j in gl.static_range(NJ):
@@ -400,8 +401,8 @@ def _finish(
             th = tok + 8 * h
             nj = n + 16 * j
             _finish_tile(
-                accs[NH * j + h], out_ptr, ws_ptr, bias_ptr, m0 + th, nj,
-                m0 * NP + nj * pitch + th, m0 + th < M, N, stride_om, SPLIT, HAS_BIAS, LAST,
+                accs[NH * j + h], out_ptr, ws_ptr, bias_ptr, o0 + th, nj,
+                w0 * NP + nj * pitch + th, th < rows, N, stride_om, SPLIT, HAS_BIAS, LAST,
             )  # fmt: skip
 
 
@@ -581,14 +582,27 @@ def epilogue(
     accs, out_ptr, ws_ptr, cnt_ptr, bias_ptr, mt, tok, n, M, N, NB, stride_om,
     TM: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, PER_ACC: gl.constexpr = True,
 ):  # fmt: skip
-    """Store the tile of a CTA (grid ``(column tiles, token tiles, SPLIT)``); split-K: add into
-    the workspace, and the last CTA of the tile to arrive stores the sums and leaves zeros.
-    ``tok``/``n``: see ``_finish``."""
-    m0 = mt * TM
+    """Store the tile of a CTA (grid ``(column tiles, token tiles, SPLIT)``): tokens
+    ``mt * TM ..`` of M, see `epilogue_rows`."""
+    epilogue_rows(
+        accs, out_ptr, ws_ptr, cnt_ptr, bias_ptr, mt, mt * TM, M - mt * TM, tok, n, N, NB,
+        stride_om, TM, SPLIT, HAS_BIAS, PER_ACC,
+    )  # fmt: skip
+
+
+@gluon.jit
+def epilogue_rows(
+    accs, out_ptr, ws_ptr, cnt_ptr, bias_ptr, mt, o0, rows, tok, n, N, NB, stride_om,
+    TM: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr, PER_ACC: gl.constexpr = True,
+):  # fmt: skip
+    """Store the tile of token tile ``mt`` (grid ``(column tiles, token tiles, SPLIT)``) as
+    output rows ``o0 .. o0 + min(rows, TM)``; split-K: add into the workspace, and the last CTA
+    of the tile to arrive stores the sums and leaves zeros. ``tok``/``n``: see ``_finish``."""
+    w0 = mt * TM
     NP = NB * 64
     if SPLIT > 1:
         _finish(
-            accs, out_ptr, ws_ptr, bias_ptr, m0, tok, n, M, N, NP, stride_om,
+            accs, out_ptr, ws_ptr, bias_ptr, w0, o0, rows, tok, n, N, NP, stride_om,
             TM, SPLIT, HAS_BIAS, False, PER_ACC,
         )  # fmt: skip
         gl.thread_barrier()
@@ -597,12 +611,12 @@ def epilogue(
         if ticket == SPLIT - 1:
             gl.atomic_xchg(cnt, 0, sem="relaxed")
             _finish(
-                accs, out_ptr, ws_ptr, bias_ptr, m0, tok, n, M, N, NP, stride_om,
+                accs, out_ptr, ws_ptr, bias_ptr, w0, o0, rows, tok, n, N, NP, stride_om,
                 TM, SPLIT, HAS_BIAS, True, PER_ACC,
             )  # fmt: skip
     else:
         _finish(
-            accs, out_ptr, ws_ptr, bias_ptr, m0, tok, n, M, N, NP, stride_om,
+            accs, out_ptr, ws_ptr, bias_ptr, w0, o0, rows, tok, n, N, NP, stride_om,
             TM, SPLIT, HAS_BIAS, True, PER_ACC,
         )  # fmt: skip
 

@@ -1,5 +1,5 @@
 """Probe: the codebook-lookup mma kernel (`kbit/triton/mma.py`, UE8M0 scales, grouped) on
-GPT-OSS-20B expert GEMMs at decode sizes, against the Triton GEMV / grouped kernel of today.
+GPT-OSS-20B expert GEMMs at decode sizes, against the default `grouped_gemm` config.
 
 Per token count and GEMM (W13 with the token gather, W2): relative error against fp32 over the
 dequantized experts, and time (CUDA-graph replays over 2 weight copies) of lookup-kernel

@@ -56,4 +56,3 @@ def unpack(
     quads = qweight.reshape(*lead, n_pad, g_pad // QUAD, 4, QUAD).transpose(-1, -2)
     blocks = quads.contiguous().view(torch.uint8).reshape(*lead, n_pad, g_pad, BYTES_PER_BLOCK)
     return blocks[..., :n, :groups, :].contiguous(), scales[..., :n, :groups].contiguous()
-

@@ -55,7 +55,7 @@ class BlockPlan:
     m_indptr: torch.Tensor  # [E + 1]
     num_rows: int
     block_m: int
-    min_blocks: int = 0
+    min_blocks: int
 
     @property
     def num_blocks(self) -> int:

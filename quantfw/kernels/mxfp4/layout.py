@@ -21,14 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from quantfw.kernels.kbit.layout import QUAD
+from quantfw.kernels.kbit.layout import QUAD, block_words, interleave_quads
+from quantfw.kernels.mxfp4.flashinfer_layout import round_up
 from quantfw.kernels.mxfp4.format import BYTES_PER_BLOCK, check_blocks
 
 PAD_N = 64
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
 
 
 def pack(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,12 +33,11 @@ def pack(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torc
     ``(qweight, scales)`` above, on the tensors' device."""
     check_blocks(blocks, scales, "MXFP4 pack")
     *lead, n, groups, _ = blocks.shape
-    n_pad, g_pad = _round_up(n, PAD_N), _round_up(groups, QUAD)
+    n_pad, g_pad = round_up(n, PAD_N), round_up(groups, QUAD)
     padded = blocks.new_zeros(*lead, n_pad, g_pad, BYTES_PER_BLOCK)
     padded[..., :n, :groups, :] = blocks
-    words = padded.view(torch.int32)  # [..., N_pad, G_pad, 4]: word j of each block
-    quads = words.reshape(*lead, n_pad, g_pad // QUAD, QUAD, 4).transpose(-1, -2)
-    qweight = quads.reshape(*lead, n_pad, g_pad * 4).contiguous()
+    words = padded.view(torch.int32).reshape(-1, g_pad, 4)  # word j of each block
+    qweight = interleave_quads(words).reshape(*lead, n_pad, g_pad * 4)
     s = scales.new_zeros(*lead, n_pad, g_pad)
     s[..., :n, :groups] = scales
     return qweight, s
@@ -52,7 +48,7 @@ def unpack(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of `pack` for a weight of N = n outputs and K = k inputs."""
     *lead, n_pad, words = qweight.shape
-    g_pad, groups = words // 4, k // 32
-    quads = qweight.reshape(*lead, n_pad, g_pad // QUAD, 4, QUAD).transpose(-1, -2)
-    blocks = quads.contiguous().view(torch.uint8).reshape(*lead, n_pad, g_pad, BYTES_PER_BLOCK)
+    per_block = block_words(qweight.reshape(-1, words), 4).contiguous()
+    blocks = per_block.view(torch.uint8).reshape(*lead, n_pad, words // 4, BYTES_PER_BLOCK)
+    groups = k // 32
     return blocks[..., :n, :groups, :].contiguous(), scales[..., :n, :groups].contiguous()

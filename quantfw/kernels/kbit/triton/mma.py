@@ -461,5 +461,5 @@ def grouped_lut_mma(
     group = (plan.block_expert, plan.block_row, plan.m_indptr, gather)
     return _launch(
         x, qweight, scales, lut, out, N, 4, bias, plan.block_m, plan.num_blocks, group=group,
-        ue8m0=ue8m0, planned_tiles=plan.min_blocks or plan.num_blocks, **config,
+        ue8m0=ue8m0, planned_tiles=plan.min_blocks, **config,
     )  # fmt: skip

@@ -60,7 +60,7 @@ def test_tp2_logits_and_tokens_equal_tp1(moe_checkpoints, rel_err, tmp_path):
     )["tokens"]
 
 
-def _logits_and_untied_rows(model, ids: torch.Tensor, margin: float = 1e-2):
+def _logits_and_untied_rows(model, ids: torch.Tensor, margin: float = 5e-3):
     """TP = 1's float32 logits ``[B S, V]`` and a mask of the rows to compare: a token whose k-th
     and (k+1)-th router logits of some MoE layer are within ``margin`` may be routed
     differently at TP = 1 and 2 after fp16 rounding, and attention carries that to the later
@@ -89,7 +89,7 @@ def _logits_and_untied_rows(model, ids: torch.Tensor, margin: float = 1e-2):
 def test_tp2_on_two_gpus_equals_tp1(moe_checkpoints, rel_err, tmp_path):
     """The GPU MoE paths (the lookup mma kernel at decode, the Triton / dequantize paths for
     more rows) on padded intermediate shards at TP = 2 through NCCL give TP = 1's logits, in
-    fp16, on every row not downstream of a near-tied routing decision (most rows)."""
+    fp16, on every row not downstream of a near-tied routing decision (at least a quarter)."""
     names = ["gpt_oss_mxfp4", "gpt_oss_experts", "qwen3_moe", "qwen3_moe_mxfp4"]
     gen = torch.Generator().manual_seed(99)
     batches = [
@@ -104,6 +104,6 @@ def test_tp2_on_two_gpus_equals_tp1(moe_checkpoints, rel_err, tmp_path):
         for batch, got in zip(batches, result["logits"]):
             want, rows = _logits_and_untied_rows(model, batch)
             where = f"{name} {list(batch.shape)}"
-            assert rows.float().mean() >= 0.5, f"{where}: only {int(rows.sum())} rows untied"
+            assert rows.float().mean() >= 0.25, f"{where}: only {int(rows.sum())} rows untied"
             err = rel_err(got.reshape(batch.numel(), -1)[rows], want[rows])
             assert err <= 1e-2, f"{where}: TP=2 vs TP=1 relative error {err:.2e}"

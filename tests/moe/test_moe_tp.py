@@ -1,6 +1,7 @@
-"""TP=2 under torchrun (gloo on the CPU, NCCL on two GPUs) gives the TP=1 logits and greedy tokens for the MoE models:
-the experts' intermediate dim sharded with padding (I = 96 is three 32-blocks: rank 1 holds one
-real block and one of zeros), one all-reduce after the combine, sinks sharded with the heads."""
+"""TP=2 under torchrun (gloo on the CPU, NCCL on two GPUs) gives the TP=1 logits and greedy
+tokens for the MoE models: the experts' intermediate dim sharded with padding (I = 96 is three
+32-blocks: rank 1 holds one real block and one of zeros), one all-reduce after the combine,
+sinks sharded with the heads."""
 
 from __future__ import annotations
 

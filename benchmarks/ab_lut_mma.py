@@ -53,7 +53,7 @@ def kbit_rows(kernels: dict, variants: list[str], l2: int):
         nbytes = layout.tiled_nbytes(N, K, bits)
         ws = [random_kbit(N, K, bits, "cuda") for _ in range(timing.n_copies(nbytes, l2))]
         x = torch.randn(M, K, device="cuda", dtype=torch.float16)
-        _, warps, chunk, ctas, copies, pipe = configs._mma_default(M, bits)
+        _, warps, chunk, ctas, copies, pipe = configs.default_config(M, N, K, bits)
         opts = dict(warps=warps, chunk=chunk, ctas_per_sm=ctas, copies=copies, pipe=pipe)
         cases = {key: (mod, opts) for key, mod in kernels.items()}
         if "nreg168" in variants and M > 8:

@@ -19,7 +19,7 @@ import torch
 
 from quantfw.kernels import moe, mxfp4
 from quantfw.kernels.common.timing import graph_times
-from quantfw.kernels.kbit.triton.mma import grouped_lut_mma, lookup_table
+from quantfw.kernels.kbit.triton.mma import grouped_lut_mma
 from quantfw.kernels.mxfp4 import grouped
 from quantfw.kernels.mxfp4.triton import grouped_gemm
 from quantfw.kernels.mxfp4.triton import sort as fused
@@ -36,7 +36,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     dtype = torch.bfloat16
-    lut = lookup_table(torch.tensor(mxfp4.FP4_VALUES, device="cuda"), 4, dtype, factor=1.0)
+    lut = grouped_gemm.e2m1_lookup_table(torch.device("cuda"), dtype)
     sets = []
     for c in range(2):
         g = torch.Generator(device="cuda").manual_seed(c)

@@ -5,31 +5,12 @@ sinks sharded with the heads."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import tiny_moe
 import torch
-from torchrun import tp2_logits
+from torchrun import torchrun2, tp2_logits
 
 import quantfw
-
-SCRIPTS = os.path.join(os.path.dirname(__file__), "..", "scripts")
-
-
-def _torchrun(script: str, *args: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [*cmd, os.path.join(SCRIPTS, script), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 @pytest.mark.slow
@@ -38,9 +19,9 @@ def test_tp2_logits_and_tokens_equal_tp1(moe_checkpoints, rel_err, tmp_path):
 
     names = ["gpt_oss_mxfp4", "gpt_oss_experts", "qwen3_moe", "qwen3_moe_mxfp4"]
     folders = [moe_checkpoints[n] for n in names]
-    _torchrun("tp_logits.py", str(tmp_path), *folders)
+    torchrun2("tp_logits.py", str(tmp_path), *folders)
     tokens_out = tmp_path / "tokens.pt"
-    _torchrun("tp_generate.py", str(tokens_out), moe_checkpoints["gpt_oss_experts"])
+    torchrun2("tp_generate.py", str(tokens_out), moe_checkpoints["gpt_oss_experts"])
     for i, (name, folder) in enumerate(zip(names, folders)):
         result = torch.load(tmp_path / f"{i}.pt")
         assert "error" not in result, f"{name}: {result.get('error')}"

@@ -258,7 +258,8 @@ def time_decode(
             break
     else:
         raise RuntimeError("the decode batch did not get its first tokens")
-    tokens, steps, elapsed = 0, 0, 0.0
+    tokens, elapsed = 0, 0.0
+    first_step = engine.stats.steps  # forward steps: an engine step may run a decode window
     while engine.has_unfinished():
         sync()
         start = time.perf_counter()
@@ -266,7 +267,7 @@ def time_decode(
         sync()
         elapsed += time.perf_counter() - start
         tokens += note(outputs)
-        steps += 1
+    steps = engine.stats.steps - first_step
     return {
         "tokens_per_s": tokens / elapsed,
         "ms_per_step": 1e3 * elapsed / steps,

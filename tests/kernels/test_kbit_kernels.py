@@ -232,7 +232,10 @@ _MMA_SIGNATURE = {
 def test_mma_kernel_compiles_for_sm90_without_a_gpu(bits, tm, copies, mxfp4):
     """The Gluon kernel (inline PTX, which no interpreter runs) through Triton's bundled
     ptxas: its table is the only shared-memory allocation, so it starts at ``global_smem``.
-    ``mxfp4``: the grouped variant with UE8M0 scales and the token gather."""
+    ``mxfp4``: the grouped variant with UE8M0 scales and the token gather. With PDL
+    (`common.pdl`) it lets the next kernel launch first thing; a dense launch loads its first
+    weights and scales and fills its table before its wait, a grouped one waits before its
+    first load (its row blocks come from the sort kernels)."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -241,17 +244,26 @@ def test_mma_kernel_compiles_for_sm90_without_a_gpu(bits, tm, copies, mxfp4):
 
     consts = dict(W=4, CH=4, TM=tm, SPLIT=2, COPIES=copies, BITS=bits, PIPE=False,
                   MASK_N=True, MASK_K=True, HAS_BIAS=True, IS_BF16=bits == 2,
-                  UE8M0=mxfp4, GROUPED=mxfp4, GATHER=mxfp4)  # fmt: skip
+                  UE8M0=mxfp4, GROUPED=mxfp4, GATHER=mxfp4, PDL=True)  # fmt: skip
     fn = KM.kbit_mma_kernel
     sig = {**_MMA_SIGNATURE, **{k: "constexpr" for k in consts}}
     src = GluonASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    options = {"num_warps": 4, "launch_pdl": True}
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     assert kernel.metadata.shared == 256 * copies * (2 if bits == 2 else 1) * 4
     ptx = kernel.asm["ptx"]
     assert "mma.sync.aligned.m16n8k16" in ptx and "ld.shared" in ptx
     # the table's stores: every shared store before the first barrier addresses global_smem
     fill = ptx[: ptx.index("bar.sync")]
     assert re.search(r"\bst(matrix)?\.[.\w]*shared", fill) and "global_smem" in fill
+    release = ptx.index("griddepcontrol.launch_dependents")
+    wait = ptx.index("griddepcontrol.wait")
+    assert ptx.count("griddepcontrol.wait") == 1 and release < ptx.index("ld.global")
+    if mxfp4:
+        assert wait < ptx.index("ld.global")
+    else:  # 8 weight and 2 scale loads per 4 blocks, the table's barrier, then the wait
+        assert ptx.index("bar.sync") < wait
+        assert len(re.findall(r"\bld\.global", ptx[:wait])) >= 10
 
 
 @pytest.mark.parametrize("bits", [2, 4])

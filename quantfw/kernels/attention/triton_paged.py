@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from quantfw.kernels.common import pdl
+
 LOG2E = 1.4426950408889634
 
 
@@ -32,7 +34,9 @@ LOG2E = 1.4426950408889634
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache, v_cache, slots, k_stride, v_stride, KVD: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl.wait_and_release(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots + t).to(tl.int64)
     for start in range(0, KVD, BLOCK):
@@ -70,6 +74,7 @@ def store_kv(
     _store_kv_kernel[(tokens,)](
         k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0), KVD=kvd, BLOCK=block,
         num_warps=4,
+        **pdl.launch_options(pdl.enabled(k.device)),
     )  # fmt: skip
 
 
@@ -81,7 +86,9 @@ def _paged_decode_kernel(
     GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, D_P: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl.wait_and_release(PDL)
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     split = tl.program_id(2)
@@ -154,7 +161,9 @@ def _merge_splits_kernel(
     part_out, part_lse, sinks_ptr, out_ptr, out_stride_t,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, D_P: tl.constexpr,
     NUM_SPLITS: tl.constexpr, S_P: tl.constexpr, HAS_SINKS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl.wait_and_release(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     sp = tl.arange(0, S_P)
@@ -231,12 +240,14 @@ def paged_decode(
         GROUP_P=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_P=d_p, PAGE=page,
         BLOCK_N=64, NUM_SPLITS=num_splits, HAS_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None, PRECISION=_precision(q.dtype), num_warps=4, num_stages=2,
+        **pdl.launch_options(pdl.enabled(q.device)),
     )  # fmt: skip
     if split:
         _merge_splits_kernel[(batch, num_heads)](
             part_out, part_lse, sinks_arg, out, out.stride(0),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, D_P=d_p, NUM_SPLITS=num_splits,
             S_P=triton.next_power_of_2(num_splits), HAS_SINKS=sinks is not None, num_warps=4,
+            **pdl.launch_options(pdl.enabled(q.device)),
         )  # fmt: skip
     return out
 
@@ -248,7 +259,9 @@ def _paged_prefill_kernel(
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_P: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl.wait_and_release(PDL)
     b = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     h = tl.program_id(2)
@@ -346,5 +359,6 @@ def paged_prefill(
         PAGE=page, BLOCK_M=block_m, BLOCK_N=64, HAS_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None, PRECISION=_precision(q.dtype),
         num_warps=4 if d_p <= 64 else 8, num_stages=2,
+        **pdl.launch_options(pdl.enabled(q.device)),
     )  # fmt: skip
     return out

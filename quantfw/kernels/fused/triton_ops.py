@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from quantfw.kernels.common import pdl
+
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x as [rows, width] with unit stride along the width (a view when possible)."""
@@ -31,7 +33,9 @@ def _rms_norm_kernel(
     HAS_RES: tl.constexpr,
     WEIGHT_IN_F32: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl.wait_and_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -79,6 +83,7 @@ def rms_norm(
         WEIGHT_IN_F32=weight_in_float32,
         BLOCK=block,
         num_warps=_warps(block),
+        **pdl.launch_options(pdl.enabled(x2.device)),
     )
     if residual is None:
         return out.view(shape)
@@ -86,7 +91,10 @@ def rms_norm(
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, d, x_stride, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, d, x_stride, BLOCK: tl.constexpr, PDL: tl.constexpr = False
+):
+    pdl.wait_and_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -103,15 +111,30 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x2.shape[0], d), dtype=x.dtype, device=x.device)
     block = min(2048, triton.next_power_of_2(d))
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
-        x2, out, d, x2.stride(0), BLOCK=block, num_warps=_warps(block)
+        x2,
+        out,
+        d,
+        x2.stride(0),
+        BLOCK=block,
+        num_warps=_warps(block),
+        **pdl.launch_options(pdl.enabled(x2.device)),
     )
     return out.view(*x.shape[:-1], d)
 
 
 @triton.jit
 def _swiglu_oai_kernel(
-    x_ptr, out_ptr, d, x_stride, alpha, limit, CLAMP: tl.constexpr, BLOCK: tl.constexpr
+    x_ptr,
+    out_ptr,
+    d,
+    x_stride,
+    alpha,
+    limit,
+    CLAMP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl.wait_and_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -134,6 +157,7 @@ def swiglu_oai(x: torch.Tensor, alpha: float, limit: float | None) -> torch.Tens
         _swiglu_oai_kernel[(x2.shape[0], triton.cdiv(d, block))](
             x2, out, d, x2.stride(0), float(alpha), float(limit or 0.0),
             CLAMP=limit is not None, BLOCK=block, num_warps=_warps(block),
+            **pdl.launch_options(pdl.enabled(x2.device)),
         )  # fmt: skip
     return out.view(*x.shape[:-1], d)
 
@@ -195,7 +219,9 @@ def _qk_norm_rope_kernel(
     NUM_Q: tl.constexpr, NUM_K: tl.constexpr, QP: tl.constexpr, KP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr, PASS: tl.constexpr,
     PASS_P: tl.constexpr, HAS_NORM: tl.constexpr, STORE: tl.constexpr, KVD_P: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):  # fmt: skip
+    pdl.wait_and_release(PDL)
     t = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, HALF_P)[None, :]
     c = tl.load(cs_ptr + t * cs_stride + j, mask=j < HALF, other=0.0)
@@ -274,5 +300,6 @@ def qk_norm_rope(
             HALF_P=triton.next_power_of_2(half), PASS=passthrough,
             PASS_P=triton.next_power_of_2(max(passthrough, 1)), HAS_NORM=norm,
             STORE=store is not None, KVD_P=triton.next_power_of_2(num_k * d), num_warps=4,
+            **pdl.launch_options(pdl.enabled(q.device)),
         )  # fmt: skip
     return q, k

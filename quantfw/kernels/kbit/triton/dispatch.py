@@ -115,11 +115,14 @@ def gemm(
 
 def _lookup_table(weight: KbitWeight, dtype: torch.dtype) -> torch.Tensor:
     """The mma kernel's table of `weight`'s codebook in `dtype`, built on first use (warm-up,
-    before any CUDA graph capture) and kept with the weight."""
+    before any CUDA graph capture) and kept with the weight. Built on the CPU and copied
+    synchronously: the kernel reads it before its PDL wait (`common.pdl`), so no kernel may
+    still be writing it."""
     luts = weight.__dict__.setdefault("_mma_luts", {})
     lut = luts.get(dtype)
     if lut is None:
-        lut = luts[dtype] = lookup_table(weight.codebook, weight.bits, dtype)
+        table = lookup_table(weight.codebook.cpu(), weight.bits, dtype)
+        lut = luts[dtype] = table.to(weight.codebook.device)
     return lut
 
 

@@ -45,7 +45,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import constexpr_function
 from triton.experimental.gluon import language as gl
 
-from quantfw.kernels.common import splitk
+from quantfw.kernels.common import pdl, splitk
 from quantfw.kernels.kbit.configs import MMA_BITS
 from quantfw.kernels.kbit.layout import _as_int32
 from quantfw.kernels.moe.sort import BlockPlan
@@ -137,16 +137,14 @@ def _scale_fold(acc, part, sb, J: gl.constexpr, R: gl.constexpr, UE8M0: gl.const
 
 
 @gluon.jit
-def _load_chunk(
-    q_ptr, x_ptr, s_ptr, b0, q_off, x_off, x_pair, s_off, nb_ok, KBP, KBS, K2,
-    CH: gl.constexpr, TM: gl.constexpr, BITS: gl.constexpr, MASK: gl.constexpr,
+def _load_weights(
+    q_ptr, s_ptr, b0, q_off, s_off, nb_ok, KBP, KBS, CH: gl.constexpr, BITS: gl.constexpr,
+    MASK: gl.constexpr,
 ):  # fmt: skip
-    """Every load of the chunk of CH blocks from block ``b0``: weight bundles (per 4 blocks and
-    word j, t: ``ws[(4 (r // 4) + j) 2 + t]``, register = block), x bundles (TM = 8: one per
-    block, registers = its 4 pairs; TM = 16: one per block and step), scale bundles (per 4
-    blocks: j < 2, j >= 2; register 2 (j % 2) + t)."""
+    """The weight and scale loads of the chunk of CH blocks from block ``b0``: weight bundles
+    (per 4 blocks and word j, t: ``ws[(4 (r // 4) + j) 2 + t]``, register = block), scale
+    bundles (per 4 blocks: j < 2, j >= 2; register 2 (j % 2) + t)."""
     ws = ()
-    xs = ()
     ss = ()
     for q4 in gl.static_range(CH // SCALE_BLOCKS):
         bq = b0 + SCALE_BLOCKS * q4
@@ -157,6 +155,14 @@ def _load_chunk(
         for h in gl.static_range(2):
             col = 32 * h * KBS
             ss = ss + (gl.load(s_ptr + s_off + (col + bq // SCALE_BLOCKS), mask=ok, other=0),)
+    return ws, ss
+
+
+@gluon.jit
+def _load_x(x_ptr, b0, x_off, x_pair, K2, CH: gl.constexpr, TM: gl.constexpr):
+    """The x loads of the chunk: TM = 8: one bundle per block, registers = its 4 pairs;
+    TM = 16: one per block and step."""
+    xs = ()
     for r in gl.static_range(CH):
         xp = (b0 + r) * 16
         if TM == 8:
@@ -165,6 +171,17 @@ def _load_chunk(
             for v in gl.static_range(2):
                 xk = x_pair + xp + 2 * v
                 xs = xs + (gl.load(x_ptr + x_off + xp + 2 * v, mask=xk < K2, other=0),)
+    return xs
+
+
+@gluon.jit
+def _load_chunk(
+    q_ptr, x_ptr, s_ptr, b0, q_off, x_off, x_pair, s_off, nb_ok, KBP, KBS, K2,
+    CH: gl.constexpr, TM: gl.constexpr, BITS: gl.constexpr, MASK: gl.constexpr,
+):  # fmt: skip
+    """Every load of the chunk of CH blocks from block ``b0``: `_load_weights`, `_load_x`."""
+    ws, ss = _load_weights(q_ptr, s_ptr, b0, q_off, s_off, nb_ok, KBP, KBS, CH, BITS, MASK)
+    xs = _load_x(x_ptr, b0, x_off, x_pair, K2, CH, TM)
     return ws, xs, ss
 
 
@@ -239,12 +256,15 @@ def kbit_mma_kernel(
     UE8M0: gl.constexpr = False,  # scales are UE8M0 (MXFP4), not E4M4
     GROUPED: gl.constexpr = False,  # token tiles are the row blocks of a grouped GEMM
     GATHER: gl.constexpr = False,
+    PDL: gl.constexpr = False,  # programmatic dependent launch (`common.pdl`)
 ):
     L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [W, 1, 1], [2, 1, 0])
     EW: gl.constexpr = 1 if BITS == 4 else 2  # table words per entry
     mt = gl.program_id(1)
     sp = gl.program_id(2)
-    if GROUPED:  # the token tile is rows row0 .. of one expert
+    pdl.release(PDL)
+    if GROUPED:  # the token tile is rows row0 .. of one expert (written by the sort kernels)
+        mt += pdl.wait(PDL)
         expert = gl.load(block_expert_ptr + mt)
         if expert >= num_experts:
             return
@@ -289,11 +309,11 @@ def kbit_mma_kernel(
         xm = gl.load(gather_ptr + xm).to(gl.int32)
     x_off = xm * stride_xm + x_pair
 
-    # the first chunk's loads go out before the table is built
-    ws, xs, ss = _load_chunk(
-        q_ptr, x_ptr, s_ptr, sp * CH, q_off, x_off, x_pair, s_off, nb_ok, KBP, KBS, K2,
-        CH, TM, BITS, MASK_K,
-    )  # fmt: skip
+    # the first chunk's loads go out before the table is built; with PDL x waits for the
+    # previous kernel to finish, after the table
+    ws, ss = _load_weights(q_ptr, s_ptr, sp * CH, q_off, s_off, nb_ok, KBP, KBS, CH, BITS, MASK_K)
+    if not PDL:
+        xs = _load_x(x_ptr, sp * CH, x_off, x_pair, K2, CH, TM)
     # the table, COPIES times: word (e COPIES + copy) EW + i = lut[e, i]; consecutive lanes
     # store consecutive copies (no bank conflicts)
     LF: gl.constexpr = gl.BlockedLayout([1, 1, EW], [32 // COPIES, COPIES, 1], [W, 1, 1], [2, 1, 0])
@@ -306,6 +326,10 @@ def kbit_mma_kernel(
     )
     table.store(lut3)
     gl.thread_barrier()
+    if PDL:
+        if not GROUPED:
+            x_off += pdl.wait(PDL)
+        xs = _load_x(x_ptr, sp * CH, x_off, x_pair, K2, CH, TM)
 
     accs = _zeros(4 * (TM // 8), W, L3)
     for it in range(n_iter - 1):  # the last chunk after the loop: no loads past the plan
@@ -397,6 +421,7 @@ def _launch(
         MASK_N=NB % warps != 0, MASK_K=split * n_iter * chunk != kbp,
         HAS_BIAS=has_bias, IS_BF16=x2.dtype == torch.bfloat16, UE8M0=ue8m0,
         GROUPED=grouped, GATHER=gather is not None, num_warps=warps,
+        **pdl.launch_options(pdl.enabled(x2.device)),
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )  # fmt: skip
     return out

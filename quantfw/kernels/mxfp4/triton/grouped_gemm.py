@@ -209,14 +209,15 @@ _LUTS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 def e2m1_lookup_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """The lookup mma kernel's table of the E2M1 values (per byte, its two values in `dtype`),
-    made once per device and dtype."""
+    made once per device and dtype (on the CPU, copied synchronously: the kernel reads it
+    before its PDL wait)."""
     key = (torch.device(device), dtype)
     if key not in _LUTS:
         from quantfw.kernels.kbit.triton.mma import lookup_table
         from quantfw.kernels.mxfp4.format import FP4_VALUES
 
-        values = torch.tensor(FP4_VALUES, dtype=torch.float32, device=device)
-        _LUTS[key] = lookup_table(values, 4, dtype, factor=1.0)
+        values = torch.tensor(FP4_VALUES, dtype=torch.float32)
+        _LUTS[key] = lookup_table(values, 4, dtype, factor=1.0).to(device)
     return _LUTS[key]
 
 

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from quantfw.kernels.common import pdl
 from quantfw.kernels.moe.sort import BlockPlan, ExpertSort, fewest_blocks
 
 ALIGN_MAX_TILE = 16384
@@ -35,7 +36,9 @@ def _align_kernel(
     ROWS_P: tl.constexpr,
     EXPERTS_P: tl.constexpr,
     BLOCKS_P: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl.wait_and_release(PDL)
     i = tl.arange(0, ROWS_P)
     valid = i < num_rows
     e_i = tl.load(ids_ptr + i, mask=valid, other=0).to(tl.int32)
@@ -101,6 +104,7 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[Exper
         EXPERTS_P=experts_p,
         BLOCKS_P=triton.next_power_of_2(max(num_blocks, 1)),
         num_warps=8 if rows_p * experts_p >= 8192 else 4,
+        **pdl.launch_options(pdl.enabled(topk_ids.device)),
     )
     sort = ExpertSort(token_index, expert_of_row, inverse, m_indptr, top_k)
     least = fewest_blocks(rows, block_m, top_k, num_blocks)
@@ -109,8 +113,16 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[Exper
 
 @triton.jit
 def _combine_kernel(
-    rows_ptr, inverse_ptr, weights_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr
+    rows_ptr,
+    inverse_ptr,
+    weights_ptr,
+    out_ptr,
+    H,
+    TOP_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl.wait_and_release(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = h < H
@@ -130,6 +142,13 @@ def combine(rows: torch.Tensor, sort: ExpertSort, topk_weights: torch.Tensor) ->
     if t:
         block = min(1024, triton.next_power_of_2(h))
         _combine_kernel[(t, triton.cdiv(h, block))](
-            rows, sort.inverse, topk_weights.contiguous(), out, h, TOP_K=k, BLOCK_H=block
+            rows,
+            sort.inverse,
+            topk_weights.contiguous(),
+            out,
+            h,
+            TOP_K=k,
+            BLOCK_H=block,
+            **pdl.launch_options(pdl.enabled(rows.device)),
         )
     return out

@@ -46,7 +46,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import constexpr_function
 from triton.experimental.gluon import language as gl
 
-from quantfw.kernels.common import splitk
+from quantfw.kernels.common import pdl, splitk
 
 FP16_MAGIC = 0x64006400  # fp16 1024.0 in both halves: (magic | q) = 1024 + q
 BF16_MAGIC = 0x43004300  # bf16 128.0
@@ -322,11 +322,12 @@ def _chunk(
 def load_chunk(
     qf_ptr, x_ptr, sz_ptr, kb0, w_off, x_off, x_k, sz_off, nb_ok, KB, K2, NB,
     CH: gl.constexpr, GKB: gl.constexpr, XS: gl.constexpr, MASK_N: gl.constexpr,
-    MASK_K: gl.constexpr, WORDS: gl.constexpr = True,
+    MASK_K: gl.constexpr, WORDS: gl.constexpr = True, X: gl.constexpr = True,
+    SZ: gl.constexpr = True,
 ):  # fmt: skip
     """Issue every load of one chunk (CH k16 steps): weight (unless not WORDS; ``qf_ptr`` and
-    ``w_off`` are then unused), x and scale/zero bundles.  Masked: x past K and groups past
-    the last read zeros."""
+    ``w_off`` are then unused), x (unless not X) and scale/zero bundles (unless not SZ).
+    Masked: x past K and groups past the last read zeros."""
     wbs = ()
     xs = ()
     szs = ()
@@ -339,13 +340,13 @@ def load_chunk(
                 wbs = wbs + (gl.load(qf_ptr + w_off + kb * 128, mask=ok, other=0),)
             else:
                 wbs = wbs + (gl.load(qf_ptr + w_off + kb * 128),)
-        if u % XS == 0:
+        if X and u % XS == 0:
             if MASK_K:
                 xk_ok = x_k + kb * 8 < K2
                 xs = xs + (gl.load(x_ptr + x_off + kb * 8, mask=xk_ok, other=0),)
             else:
                 xs = xs + (gl.load(x_ptr + x_off + kb * 8),)
-        if u % GKB == 0:
+        if SZ and u % GKB == 0:
             szp = sz_ptr + (kb // GKB) * (NB * 64) + sz_off
             if MASK_N or MASK_K:
                 szs = szs + (gl.load(szp, mask=ok, other=0), gl.load(szp + 4, mask=ok, other=0))
@@ -509,12 +510,14 @@ def w4a16_mma_kernel(
     MASK_K: gl.constexpr,  # the chunks overrun KB, or K is not a multiple of 16
     HAS_BIAS: gl.constexpr,
     IS_BF16: gl.constexpr,
+    PDL: gl.constexpr = False,  # programmatic dependent launch (`common.pdl`)
 ):
     L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [W, 1, 1], [2, 1, 0])
     XS: gl.constexpr = 2 if TM == 8 and CH % 2 == 0 else 1  # k16 steps per x bundle
     WB: gl.constexpr = W // WK
     mt = gl.program_id(1)
     sp = gl.program_id(2)
+    pdl.release(PDL)
 
     nb, l3, r3, g, c, x_off, x_k, sz_off, w3 = lane_coords(M, stride_xm, W, WB, TM, XS, L3)
     nb_ok = nb < NB
@@ -529,11 +532,26 @@ def w4a16_mma_kernel(
     # FOLD: per-group partial sums of (magic + q) x and per-token sums of x
     gaccs = _zeros(4 * (TM // 8) if FOLD else 0, W, L3)
     xsums = _zeros(TM // 8 if FOLD else 0, W, L3)
-    # PIPE: the next chunk's loads are in flight while this one is computed
-    wbs, xs, szs = load_chunk(
-        qf_ptr, x_ptr, sz_ptr, sp * WK * CH + kw, w_off, x_off, x_k, sz_off, nb_ok, KB, K2, NB,
-        CH, GKB, XS, MASK_N, MASK_K,
-    )  # fmt: skip
+    # PDL: the first chunk's weights and scales are loaded before the wait for the previous
+    # kernel, its x after (PIPE only: without it the loop loads every chunk again, so those
+    # loads are dropped and all of them follow the wait); PIPE: the next chunk's loads are in
+    # flight while this one is computed
+    kb0 = sp * WK * CH + kw
+    if PDL:
+        wbs, _, szs = load_chunk(
+            qf_ptr, x_ptr, sz_ptr, kb0, w_off, x_off, x_k, sz_off, nb_ok, KB, K2, NB,
+            CH, GKB, XS, MASK_N, MASK_K, X=False,
+        )  # fmt: skip
+        x_off += pdl.wait(PDL)
+        _, xs, _ = load_chunk(
+            qf_ptr, x_ptr, sz_ptr, kb0, w_off, x_off, x_k, sz_off, nb_ok, KB, K2, NB,
+            CH, GKB, XS, MASK_N, MASK_K, WORDS=False, SZ=False,
+        )  # fmt: skip
+    else:
+        wbs, xs, szs = load_chunk(
+            qf_ptr, x_ptr, sz_ptr, kb0, w_off, x_off, x_k, sz_off, nb_ok, KB, K2, NB,
+            CH, GKB, XS, MASK_N, MASK_K,
+        )  # fmt: skip
     for i in range(n_iter):
         if PIPE:
             kb_next = ((i + 1) * SPLIT + sp) * WK * CH + kw
@@ -737,5 +755,6 @@ def w4a16_mma_matmul(
         W=warps, WK=wk, CH=chunk, GKB=gkb, TM=tm, SPLIT=split, PIPE=pipe, FOLD=fold,
         MASK_N=NB % wb != 0, MASK_K=split * wk * n_iter * chunk != KB or K != KB * 16,
         HAS_BIAS=has_bias, IS_BF16=x2.dtype == torch.bfloat16, num_warps=warps,
+        **pdl.launch_options(pdl.enabled(x2.device)),
     )  # fmt: skip
     return out

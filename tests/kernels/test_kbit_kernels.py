@@ -196,16 +196,13 @@ _REPACK_SIGNATURE = {
 def test_kernels_compile_for_sm90_without_a_gpu():
     """Ahead-of-time compiles (Triton's bundled ptxas, no GPU): what the interpreter does not
     check (constexpr rules, layouts, the select tree and the gather paths, shared memory)."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    pytest.importorskip("triton")
+    from aot import compile_for_sm90
 
     from quantfw.kernels.kbit.triton import kernels as KK
 
     def compile_(fn, signature, constexprs, warps=4, stages=2):
-        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-        options = {"num_warps": warps, "num_stages": stages}
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        return compile_for_sm90(fn, signature, constexprs, num_warps=warps, num_stages=stages)
 
     for bits, tile, swap, warps in ((2, (16, 128, 128), True, 8), (5, (64, 64, 128), False, 4)):
         bm, bn, bk = tile
@@ -236,20 +233,16 @@ def test_mma_kernel_compiles_for_sm90_without_a_gpu(bits, tm, copies, mxfp4):
     (`common.pdl`) it lets the next kernel launch first thing; a dense launch loads its first
     weights and scales and fills its table before its wait, a grouped one waits before its
     first load (its row blocks come from the sort kernels)."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
+    pytest.importorskip("triton")
+    from aot import compile_for_sm90
 
     from quantfw.kernels.kbit.triton import mma as KM
 
     consts = dict(W=4, CH=4, TM=tm, SPLIT=2, COPIES=copies, BITS=bits, PIPE=False,
                   MASK_N=True, MASK_K=True, HAS_BIAS=True, IS_BF16=bits == 2,
                   UE8M0=mxfp4, GROUPED=mxfp4, GATHER=mxfp4, PDL=True)  # fmt: skip
-    fn = KM.kbit_mma_kernel
-    sig = {**_MMA_SIGNATURE, **{k: "constexpr" for k in consts}}
-    src = GluonASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()})
-    options = {"num_warps": 4, "launch_pdl": True}
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    kernel = compile_for_sm90(KM.kbit_mma_kernel, _MMA_SIGNATURE, consts, num_warps=4,
+                              launch_pdl=True)  # fmt: skip
     assert kernel.metadata.shared == 256 * copies * (2 if bits == 2 else 1) * 4
     ptx = kernel.asm["ptx"]
     assert "mma.sync.aligned.m16n8k16" in ptx and "ld.shared" in ptx

@@ -11,6 +11,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
+from aot import compile_for_sm90  # noqa: E402
+
 from quantfw.kernels.common import pdl  # noqa: E402
 
 
@@ -35,21 +37,16 @@ def test_enabled_only_on_cuda_and_can_be_turned_off(monkeypatch):
 
 
 def test_elementwise_kernel_waits_before_any_load_for_sm90():
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from quantfw.kernels.fused import triton_ops
 
     sig = {"x_ptr": "*fp16", "res_ptr": "*fp16", "w_ptr": "*fp16", "out_ptr": "*fp16",
            "res_out_ptr": "*fp16", "n_cols": "i32", "x_stride": "i32", "res_stride": "i32",
-           "eps": "fp32", "HAS_RES": "constexpr", "WEIGHT_IN_F32": "constexpr",
-           "BLOCK": "constexpr", "PDL": "constexpr"}  # fmt: skip
-    fn = triton_ops._rms_norm_kernel
+           "eps": "fp32"}  # fmt: skip
     consts = {"HAS_RES": True, "WEIGHT_IN_F32": False, "BLOCK": 1024, "PDL": True}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v
-                                                     for k, v in consts.items()})  # fmt: skip
-    options = {"num_warps": 4, "launch_pdl": True}
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    kernel = compile_for_sm90(
+        triton_ops._rms_norm_kernel, sig, consts, num_warps=4, launch_pdl=True
+    )
+    ptx = kernel.asm["ptx"]
     release, wait = ptx.index("griddepcontrol.launch_dependents"), ptx.index("griddepcontrol.wait")
     assert release < wait < ptx.index("ld.global")
 
@@ -66,18 +63,14 @@ def test_w4a16_mma_kernel_loads_weights_before_its_wait_for_sm90(tm, pipe):
     """The W4A16 Gluon kernel compiled with PDL (Triton's bundled ptxas, no GPU): it lets the
     next kernel launch before any load and waits once; with PIPE the first chunk's weight and
     scale loads go out before the wait (without, the loop loads every chunk after it)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from quantfw.kernels.w4a16.triton import mma as WM
 
     consts = dict(W=4, WK=1, CH=4, GKB=8, TM=tm, SPLIT=2, PIPE=pipe, FOLD=False, MASK_N=True,
                   MASK_K=True, HAS_BIAS=True, IS_BF16=False, PDL=True)  # fmt: skip
-    fn = WM.w4a16_mma_kernel
-    sig = {**_W4A16_MMA_SIGNATURE, **{k: "constexpr" for k in consts}}
-    src = GluonASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()})
-    options = {"num_warps": 4, "launch_pdl": True}
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    kernel = compile_for_sm90(
+        WM.w4a16_mma_kernel, _W4A16_MMA_SIGNATURE, consts, num_warps=4, launch_pdl=True
+    )
+    ptx = kernel.asm["ptx"]
     release = ptx.index("griddepcontrol.launch_dependents")
     wait = ptx.index("griddepcontrol.wait")
     assert ptx.count("griddepcontrol.wait") == 1 and release < ptx.index("ld.global")

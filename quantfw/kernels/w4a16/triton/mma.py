@@ -537,20 +537,15 @@ def w4a16_mma_kernel(
     # loads are dropped and all of them follow the wait); PIPE: the next chunk's loads are in
     # flight while this one is computed
     kb0 = sp * WK * CH + kw
+    wbs, xs, szs = load_chunk(
+        qf_ptr, x_ptr, sz_ptr, kb0, w_off, x_off, x_k, sz_off, nb_ok, KB, K2, NB,
+        CH, GKB, XS, MASK_N, MASK_K, X=not PDL,
+    )  # fmt: skip
     if PDL:
-        wbs, _, szs = load_chunk(
-            qf_ptr, x_ptr, sz_ptr, kb0, w_off, x_off, x_k, sz_off, nb_ok, KB, K2, NB,
-            CH, GKB, XS, MASK_N, MASK_K, X=False,
-        )  # fmt: skip
         x_off += pdl.wait(PDL)
         _, xs, _ = load_chunk(
             qf_ptr, x_ptr, sz_ptr, kb0, w_off, x_off, x_k, sz_off, nb_ok, KB, K2, NB,
             CH, GKB, XS, MASK_N, MASK_K, WORDS=False, SZ=False,
-        )  # fmt: skip
-    else:
-        wbs, xs, szs = load_chunk(
-            qf_ptr, x_ptr, sz_ptr, kb0, w_off, x_off, x_k, sz_off, nb_ok, KB, K2, NB,
-            CH, GKB, XS, MASK_N, MASK_K,
         )  # fmt: skip
     for i in range(n_iter):
         if PIPE:

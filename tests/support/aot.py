@@ -1,0 +1,24 @@
+"""Ahead-of-time compiles for sm_90 through Triton's bundled ptxas: no GPU needed, so the CPU
+suite checks what no interpreter runs (inline PTX, layouts, shared memory, instruction order)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def compile_for_sm90(
+    fn: Any, signature: dict[str, str], constexprs: dict[str, Any], **options: Any
+) -> Any:
+    """The compiled kernel of `fn` (a Triton or Gluon JIT function) for sm_90: `signature`
+    gives each runtime argument's type, `constexprs` the values of the constexpr ones (marked
+    "constexpr" in the signature here), `options` Triton's (num_warps, launch_pdl, ...)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
+
+    sig = {**signature, **{name: "constexpr" for name in constexprs}}
+    values = {(fn.arg_names.index(name),): v for name, v in constexprs.items()}
+    source = GluonASTSource if isinstance(fn, GluonJITFunction) else ASTSource
+    src = source(fn=fn, signature=sig, constexprs=values)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)

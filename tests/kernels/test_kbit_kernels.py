@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -90,21 +91,22 @@ def test_configs_and_their_checks():
         assert cands[0] == C.default_config(M, 4096, 4096, 4) and len(set(cands)) == len(cands)
         for cfg in cands:
             assert C.check_config(cfg) == cfg
-    # few tokens: the mma kernel (K = 2, 4) or swapped fused tiles (K = 3, 5); then fused;
-    # large M: dequantize + cuBLAS
+    # few tokens: the mma kernel; then fused; large M: dequantize + cuBLAS
     Ms = (1, 16, 33, 64, 128, 129, 4096)
     kinds = [C.default_config(M, 64, 64, 4)[::7] for M in Ms]
     assert kinds == [("mma",)] * 2 + [("fused", True)] * 2 + [("fused", False), ("deq",), ("deq",)]
-    assert [C.default_config(M, 64, 64, 2)[0] for M in Ms[:3]] == ["mma", "mma", "fused"]
-    # table copies per lane (one per bank: 32 entries of one word, 16 of two); 3 CTAs per SM
-    # for one token tile of 8 (what fits), 4 for two
+    # table copies per lane (one per bank: 32 entries of one word, 16 of two; K = 5's 1024
+    # entries 8); 3 CTAs per SM for one token tile of 8 (what fits), 4 for two; K = 3, 5
+    # (twice the weight registers) 2
     mma = [C.default_config(M, N, 4096, b)[3:5] for M, N, b in
-           ((1, 24576, 4), (8, 12288, 2), (1, 4096, 4), (9, 24576, 4))]  # fmt: skip
-    assert mma == [(3, 32), (3, 16), (3, 32), (4, 32)]
-    for bits in (3, 5):
-        assert [C.default_config(M, 64, 64, bits)[::7] for M in Ms[:2]] == [("fused", True)] * 2
-        assert all(c[0] != "mma" for M in (1, 64) for c in C.candidate_configs(M, bits))
-        assert C.candidate_configs(1, bits)[0] == C.default_config(1, 64, 64, bits)
+           ((1, 24576, 4), (8, 12288, 2), (1, 4096, 4), (9, 24576, 4), (1, 4096, 3),
+            (16, 4096, 3), (1, 4096, 5), (16, 4096, 5))]  # fmt: skip
+    assert mma == [(3, 32), (3, 16), (3, 32), (4, 32), (2, 32), (2, 32), (2, 8), (2, 8)]
+    for bits in (2, 3, 4, 5):
+        assert [C.default_config(M, 64, 64, bits)[0] for M in Ms[:3]] == ["mma", "mma", "fused"]
+        for M in (1, 16, 64, 4096):
+            cands = C.candidate_configs(M, bits)
+            assert cands[0] == C.default_config(M, 64, 64, bits) and len(set(cands)) == len(cands)
     for M in (1, 64):  # both MMA orientations are tuning candidates where few tokens run
         assert {c[7] for c in C.candidate_configs(M) if c[0] == "fused"} == {True, False}
         assert any(c[0] == "mma" for c in C.candidate_configs(M, 2))
@@ -225,6 +227,7 @@ _MMA_SIGNATURE = {
 
 
 @pytest.mark.parametrize("bits,tm,copies,mxfp4", [(4, 8, 32, False), (2, 16, 1, False),
+                                                 (3, 8, 32, False), (5, 16, 8, False),
                                                  (4, 8, 32, True), (4, 16, 16, True)])  # fmt: skip
 def test_mma_kernel_compiles_for_sm90_without_a_gpu(bits, tm, copies, mxfp4):
     """The Gluon kernel (inline PTX, which no interpreter runs) through Triton's bundled
@@ -243,7 +246,8 @@ def test_mma_kernel_compiles_for_sm90_without_a_gpu(bits, tm, copies, mxfp4):
                   UE8M0=mxfp4, GROUPED=mxfp4, GATHER=mxfp4, PDL=True)  # fmt: skip
     kernel = compile_for_sm90(KM.kbit_mma_kernel, _MMA_SIGNATURE, consts, num_warps=4,
                               launch_pdl=True)  # fmt: skip
-    assert kernel.metadata.shared == 256 * copies * (2 if bits == 2 else 1) * 4
+    entries = {2: 256, 3: 64, 4: 256, 5: 1024}[bits]
+    assert kernel.metadata.shared == entries * copies * (2 if bits == 2 else 1) * 4
     ptx = kernel.asm["ptx"]
     assert "mma.sync.aligned.m16n8k16" in ptx and "ld.shared" in ptx
     # the table's stores: every shared store before the first barrier addresses global_smem
@@ -254,41 +258,55 @@ def test_mma_kernel_compiles_for_sm90_without_a_gpu(bits, tm, copies, mxfp4):
     assert ptx.count("griddepcontrol.wait") == 1 and release < ptx.index("ld.global")
     if mxfp4:
         assert wait < ptx.index("ld.global")
-    else:  # 8 weight and 2 scale loads per 4 blocks, the table's barrier, then the wait
+    else:  # 8 weight (16 at K = 3, 5) and 2 scale loads per 4 blocks, the table, the wait
         assert ptx.index("bar.sync") < wait
-        assert len(re.findall(r"\bld\.global", ptx[:wait])) >= 10
+        assert len(re.findall(r"\bld\.global", ptx[:wait])) >= (18 if bits % 2 else 10)
 
 
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_mma_lookup_math_on_cpu(bits, dtype):
     """The mma kernel's decode, step by step in torch: lane c of a column reads its word of 4
-    blocks at the kernel's address (K = 4: word c; K = 2: half c % 2 of word c // 2), each
-    byte indexes the table, and the E4M4 byte shifted left by 6 is the fp16 absmax / 16. The
-    weight it rebuilds is the reference's (levels rounded to `dtype` once)."""
+    blocks at the kernel's address (K = 4, 5: field word c; K = 2, 3: half c % 2 of word
+    c // 2; K = 3, 5 also byte c of the 1-bit word), each table index is built as the PTX
+    builds it (K = 2, 4: a byte; K = 3: a nibble of two 2-bit fields and their 1-bit fields
+    as bits 4, 5; K = 5: a byte and the 1-bit fields as bits 8, 9), and the E4M4 byte
+    shifted left by 6 is the fp16 absmax / 16. The weight it rebuilds is the reference's
+    (levels rounded to `dtype` once)."""
     from quantfw.kernels.kbit.triton.mma import lookup_table
 
     N, K = 24, 256
     planes, absmax, cb, ref = random_weight(N, K, bits, seed=bits + 11)
     w = layout.repack(planes, absmax, cb)
-    lut = lookup_table(w.codebook, bits, dtype)  # [256, 32 / (8 bits) words]
+    lut = lookup_table(w.codebook, bits, dtype)  # [entries, words]
     kbp = w.padded_blocks
     q = w.qweight.to(torch.int64) & 0xFFFFFFFF
     blocks = torch.arange(kbp)
     rebuilt = torch.empty(N, kbp, 32)
+
+    def quad_word(word):  # the lane's 16-byte load for blocks 4q .. 4q + 3: word `word`
+        return q[:, (blocks // 4) * 4 * bits + 4 * word + blocks % 4]
+
+    def put(c, first, entry):  # an entry's levels are elements 8c + first, ...
+        half = torch.stack([entry & 0xFFFF, (entry >> 16) & 0xFFFF], -1).flatten(-2)
+        vals = half.to(torch.int16).view(dtype).float()  # 16 * level
+        rebuilt[:, :, 8 * c + first : 8 * c + first + vals.shape[-1]] = vals[:N]
+
     for c in range(4):  # lane c supplies elements 8c .. 8c + 7 of every block
-        word = c if bits == 4 else c // 2
-        # its 16-byte load for blocks 4 q .. 4 q + 3 starts at word 4 bits q + 4 word
-        src = q[:, (blocks // 4) * 4 * bits + 4 * word + blocks % 4]
-        if bits == 2:
+        src = quad_word(c if bits >= 4 else c // 2)
+        if bits in (2, 3):
             src = (src >> (16 * (c % 2))) & 0xFFFF
-        nbytes = 4 if bits == 4 else 2
-        for byte in range(nbytes):
-            entry = lut[((src >> (8 * byte)) & 0xFF)]  # [N_pad, kbp, words]
-            half = torch.stack([entry & 0xFFFF, (entry >> 16) & 0xFFFF], -1).flatten(-2)
-            vals = half.to(torch.int16).view(dtype).float()  # 16 * level, 8 / nbytes of them
-            per = 8 // nbytes
-            rebuilt[:, :, 8 * c + per * byte : 8 * c + per * (byte + 1)] = vals[:N]
+        if bits in (2, 4):
+            nbytes = 4 if bits == 4 else 2
+            for byte in range(nbytes):
+                put(c, 8 // nbytes * byte, lut[(src >> (8 * byte)) & 0xFF])
+            continue
+        ones = (quad_word(bits - 1) >> (8 * c)) & 0xFF  # the 1-bit fields of the 8 elements
+        for v, e in itertools.product(range(2), range(2)):  # elements 8c + 4v + 2e, + 1
+            pair = 4 * v + 2 * e
+            fields = (src >> (4 * pair if bits == 5 else 2 * pair)) & (255 if bits == 5 else 15)
+            index = fields | (((ones >> pair) & 3) << (8 if bits == 5 else 4))
+            put(c, pair, lut[index, 0, None])
     scale16 = (w.scales.to(torch.int32) << 6).to(torch.int16).view(torch.float16).float()
     rebuilt = (rebuilt * scale16[:N, :, None]).reshape(N, -1)[:, :K]
     levels = cb.to(dtype).float()[None, :]

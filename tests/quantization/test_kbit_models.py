@@ -302,8 +302,9 @@ def test_cuda_layers_match_reference(dtype, tol, exported, dense_dir, quant_ref)
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_tensor_parallel_2_on_two_gpus_matches_tp_1(exported, dense_dir, quant_ref, tmp_path):
-    """Every kbit GPU path (mma K = 2, 4; Triton K = 3, 5) on shards at TP = 2 through NCCL
-    gives the logits of TP = 1 on one GPU, at prefill and decode sizes."""
+    """The kbit GPU paths (the mma kernel at decode sizes, the Triton / dequantize paths at
+    prefill sizes; K = 2..5) on shards at TP = 2 through NCCL give the logits of TP = 1 on
+    one GPU."""
     cases = [
         (exported("llama", "kbit4"), {}),
         (exported("qwen3", "kbit2"), {}),

@@ -4,7 +4,7 @@ a GPU or Triton.
 
 Config tuples:
 
-* ``("mma", warps, chunk, ctas_per_sm, copies, pipe)`` (K = 2 and 4, few tokens):
+* ``("mma", warps, chunk, ctas_per_sm, copies, pipe)`` (few tokens):
   ``kbit_mma_kernel`` (``triton/mma.py``: codebook lookups from a shared-memory table into
   ``mma.sync`` fragments), ``warps`` 64-column blocks per CTA, ``chunk`` blocks of 32 per K
   step (4 or 8), split-K chosen to fill ``ctas_per_sm`` CTAs per SM, ``copies`` of the table
@@ -40,19 +40,23 @@ BLOCK_KS = (128, 256)  # whole quads of blocks (layout.QUAD * 32) dividing layou
 FUSED_DEFAULT_MAX_M = 128
 #: bits the mma kernel serves (2- and 4-bit fields; K = 3, 5 add a 1-bit word), and the
 #: largest M it serves by default
-MMA_BITS = (2, 4)
+MMA_BITS = (2, 3, 4, 5)
 MMA_DEFAULT_MAX_M = 16
 
 
 def _mma_copies(bits: int) -> int:
-    """Table copies for one per bank: 32 one-word entries (K = 4), 16 two-word ones (K = 2)."""
-    return 32 if bits == 4 else 16
+    """Table copies: one per bank for the one-word entries of K = 3, 4 (32) and the two-word
+    ones of K = 2 (16); K = 5's 1024 entries take 8 (32 KB, as K = 4's table)."""
+    return {2: 16, 3: 32, 4: 32, 5: 8}[bits]
 
 
 def _mma_default(M: int, bits: int) -> tuple:
-    """The mma kernel's default: per-lane table copies (conflict-free lookups); one token tile
-    of 8 fits 3 CTAs of 4 warps per SM (about 130-170 registers), and planning the split for
-    exactly that many keeps the grid to one wave (H200, benchmarks/kbit-lab-log.md §5)."""
+    """The mma kernel's default: table copies per `_mma_copies`; a token tile of 8 fits 3
+    CTAs of 4 warps per SM at K = 2, 4 (about 130-170 registers) and 2 at K = 3, 5 (a second
+    bundle of words per column: 210-250 registers), and planning the split for exactly that
+    many keeps the grid to one wave (H200, benchmarks/kbit-lab-log.md §5)."""
+    if bits in (3, 5):
+        return ("mma", 4, 4, 2, _mma_copies(bits), False)
     return ("mma", 4, 4, 3 if M <= 8 else 4, _mma_copies(bits), False)
 
 
@@ -82,9 +86,8 @@ def check_config(cfg: tuple, where: str = "kbit config") -> tuple:
 
 
 def default_config(M: int, N: int, K: int, bits: int) -> tuple:
-    """The heuristic config of an untuned call (few tokens: the mma kernel for K = 2, 4,
-    swapped fused tiles otherwise; up to ``FUSED_DEFAULT_MAX_M``: fused; beyond: dequantize +
-    cuBLAS)."""
+    """The heuristic config of an untuned call (few tokens: the mma kernel; up to
+    ``FUSED_DEFAULT_MAX_M``: fused; beyond: dequantize + cuBLAS)."""
     if M <= MMA_DEFAULT_MAX_M and bits in MMA_BITS:
         return _mma_default(M, bits)
     if M <= 16:
@@ -134,5 +137,4 @@ def candidate_configs(M: int, bits: int = 4) -> list[tuple]:
             ("mma", 4, 4, 4, _mma_copies(bits), True),
             ("mma", 4, 8, 4, 4, True),
         ] + cands
-    default = default_config(M, 0, 0, bits)
-    return [default] + [c for c in cands if c != default]
+    return list(dict.fromkeys([default_config(M, 0, 0, bits)] + cands))

@@ -1,26 +1,31 @@
-"""Gluon kernel for kbit (K = 2, 4) and MXFP4 at small M: codebook lookups from a
+"""Gluon kernel for kbit (K = 2..5) and MXFP4 at small M: codebook lookups from a
 shared-memory table straight into ``mma.sync`` fragments, the block scale (E4M4, or MXFP4's
 UE8M0) applied once per block.
 
 It reads the field-packed layout of ``kbit/layout.py`` as it is (no second copy of a weight):
-``qweight int32 [N_pad, KB_pad * bits]`` (column n, block b: ``bits`` words; K = 4: word ``w``
-holds elements ``8w .. 8w + 7`` as nibbles; K = 2: word ``w`` holds elements ``16w .. 16w + 15``
-as 2-bit fields; quad-interleaved, so word w of 4 consecutive blocks is one 16-byte load) and
+``qweight int32 [N_pad, KB_pad * bits]`` (column n, block b: ``bits`` words; K = 4, 5: word
+``w < 4`` holds elements ``8w .. 8w + 7`` as nibbles; K = 2, 3: word ``w < 2`` holds elements
+``16w .. 16w + 15`` as 2-bit fields; K = 3, 5: the last word holds element ``t``'s 1-bit field
+at bit t; quad-interleaved, so word w of 4 consecutive blocks is one 16-byte load) and
 ``scales uint8 [N_pad, KB_pad]`` read as int32 (4 blocks per word).
 
 The mma runs transposed as the W4A16 kernel's (``w4a16/triton/mma.py``): 16 output columns x
 k16 of weights as A, x as B (k16 x 8 tokens).  A k16 step is *virtual*: lane ``l = 4g + c``
 supplies the elements ``8c + 4v .. 8c + 4v + 3`` of a block as the step ``v`` (0, 1) of that
-block, and x is read with the same permutation, so each lane reads one word (K = 4) or half a
-word (K = 2) per column and block and every byte it reads is used:
+block, and x is read with the same permutation, so each lane reads one field word (K = 4, 5)
+or half of one (K = 2, 3) per column and block, plus byte c of the 1-bit word (K = 3, 5), and
+every byte it reads is used:
 
 * K = 4: byte ``2v`` of word c (elements ``8c + 4v``, ``+1``) is A register (k 2c), byte
   ``2v + 1`` register (k 2c + 8).
 * K = 2: byte ``2 (c % 2) + v`` of word ``c // 2`` holds the 4 elements: both registers.
+* K = 5: as K = 4, with the two elements' 1-bit fields as index bits 8, 9; K = 3: the nibble
+  of the two 2-bit fields (of K = 2's byte), the 1-bit fields as index bits 4, 5.
 
-A byte is decoded by one load from a table in shared memory (``lut``: per byte value, the 2
-(K = 4) or 4 (K = 2) levels it encodes, times 16, in x's dtype, packed as the registers want
-them), kept in ``R`` copies (copy ``lane % R``) against bank conflicts.  The table lives at the
+A table entry (a byte at K = 2, 4; 10 or 6 bits at K = 5, 3) is decoded by one load from a
+table in shared memory (``lut``: per entry the 2 (K = 3, 4, 5) or 4 (K = 2) levels it
+encodes, times 16, in x's dtype, packed as the registers want them), kept in ``R`` copies
+(copy ``lane % R``) against bank conflicts.  The table lives at the
 start of the CTA's shared memory (``global_smem``), the kernel's only allocation; the inline PTX
 addresses it directly.
 
@@ -64,25 +69,46 @@ SCALE_BLOCKS = gl.constexpr(4)
 
 
 @constexpr_function
+def _table_entries(bits: int) -> int:
+    """Entries of the lookup table: a byte of fields (K = 2, 4), or two elements' fields and
+    1-bit fields (K = 3: 4 + 2 bits, K = 5: 8 + 2 bits)."""
+    return {2: 256, 3: 64, 4: 256, 5: 1024}[bits]
+
+
+@constexpr_function
 def _lookup_asm(bits: int, r: int, v: int, copies: int) -> str:
     """PTX: A registers $0..$3 of block ``r`` (of the bundles) and step ``v`` for the columns
-    g (weight bundle $4..$7) and g + 8 ($8..$11); $12: the lane's table base address, $16,
-    $17 (K = 2): its byte selectors of steps 0 and 1."""
-    stride = 4 * copies * (1 if bits == 4 else 2)  # bytes per table entry, all copies
-    if bits == 4:  # register p: byte 2v + p % 2 of the word of column g + 8 (p // 2)
-        srcs = [4 + r, 4 + r, 8 + r, 8 + r]
+    g (field-word bundle $4..$7, 1-bit-word bundle $12..$15) and g + 8 ($8..$11, $16..$19);
+    $20: the lane's table base address, $24, $25 (K = 2): its byte selectors of steps 0 and 1.
+    Register p = 2 h + e holds elements ``8c + 4v + 2e``, ``+ 1`` of column g + 8h."""
+    stride = 4 * copies * (2 if bits == 2 else 1)  # bytes per table entry, all copies
+    load = f"mad.lo.u32 t, t, {stride}, $20; ld.shared.b32"
+    if bits == 2:  # registers 0, 1 (column g) and 2, 3 (g + 8): one 8-byte entry each
         out = [
-            f"prmt.b32 t, ${srcs[p]}, 0, {0x4440 + 2 * v + p % 2:#x}; mad.lo.u32 t, t, {stride},"
-            f" $12; ld.shared.b32 ${p}, [t];"
-            for p in range(4)
-        ]
-    else:  # registers 0, 1 (column g) and 2, 3 (g + 8): one 8-byte entry each
-        out = [
-            f"prmt.b32 t, ${4 * (h + 1) + r}, 0, ${16 + v}; mad.lo.u32 t, t, {stride}, $12;"
+            f"prmt.b32 t, ${4 * (h + 1) + r}, 0, ${24 + v}; mad.lo.u32 t, t, {stride}, $20;"
             f" ld.shared.v2.b32 {{${2 * h}, ${2 * h + 1}}}, [t];"
             for h in range(2)
         ]
-    return "{ .reg .b32 t;\n" + "\n".join(out) + " }"
+    elif bits == 4:  # the byte 2v + e of the word
+        out = [
+            f"prmt.b32 t, ${4 + 4 * (p // 2) + r}, 0, {0x4440 + 2 * v + p % 2:#x}; {load} ${p}, [t];"
+            for p in range(4)
+        ]
+    elif bits == 5:  # that byte, and the two elements' 1-bit fields as index bits 8, 9
+        out = [
+            f"prmt.b32 t, ${4 + 4 * (p // 2) + r}, 0, {0x4440 + 2 * v + p % 2:#x};"
+            f" bfe.u32 u, ${12 + 4 * (p // 2) + r}, {4 * v + 2 * (p % 2)}, 2;"
+            f" bfi.b32 t, u, t, 8, 2; {load} ${p}, [t];"
+            for p in range(4)
+        ]
+    else:  # K = 3: the two 2-bit fields (a nibble), the 1-bit fields as index bits 4, 5
+        out = [
+            f"bfe.u32 t, ${4 + 4 * (p // 2) + r}, {8 * v + 4 * (p % 2)}, 4;"
+            f" bfe.u32 u, ${12 + 4 * (p // 2) + r}, {4 * v + 2 * (p % 2)}, 2;"
+            f" bfi.b32 t, u, t, 4, 2; {load} ${p}, [t];"
+            for p in range(4)
+        ]
+    return "{ .reg .b32 t, u;\n" + "\n".join(out) + " }"
 
 
 @constexpr_function
@@ -113,19 +139,21 @@ def _scale_fold_asm(j: int, r: int, ue8m0: bool) -> str:
     )
 
 
-_LOOKUP_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 4 + ["r"] * 16))
+_LOOKUP_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 4 + ["r"] * 24))
 _FOLD_CONSTRAINTS = gl.constexpr(",".join(["=f"] * 4 + ["f"] * 8 + ["r"] * 4))
 _BASE_ASM = gl.constexpr("{ .reg .b32 b; mov.u32 b, global_smem; add.u32 $0, $1, b; }")
 
 
 @gluon.jit
 def _lookup(
-    w0, w1, lb, sel, R: gl.constexpr, V: gl.constexpr, BITS: gl.constexpr, COPIES: gl.constexpr
-):
+    w0, w1, h0, h1, lb, sel, R: gl.constexpr, V: gl.constexpr, BITS: gl.constexpr,
+    COPIES: gl.constexpr,
+):  # fmt: skip
     asm: gl.constexpr = _lookup_asm(BITS, R, V, COPIES)
     return gl.inline_asm_elementwise(
-        asm, _LOOKUP_CONSTRAINTS, [w0, w1, lb, sel], dtype=gl.int32, is_pure=True, pack=4
-    )
+        asm, _LOOKUP_CONSTRAINTS, [w0, w1, h0, h1, lb, sel], dtype=gl.int32, is_pure=True,
+        pack=4,
+    )  # fmt: skip
 
 
 @gluon.jit
@@ -138,12 +166,15 @@ def _scale_fold(acc, part, sb, J: gl.constexpr, R: gl.constexpr, UE8M0: gl.const
 
 @gluon.jit
 def _load_weights(
-    q_ptr, s_ptr, b0, q_off, s_off, nb_ok, KBP, KBS, CH: gl.constexpr, BITS: gl.constexpr,
-    MASK: gl.constexpr,
+    q_ptr, s_ptr, b0, q_off, h_off, c, s_off, nb_ok, KBP, KBS, CH: gl.constexpr,
+    BITS: gl.constexpr, MASK: gl.constexpr,
 ):  # fmt: skip
-    """The weight and scale loads of the chunk of CH blocks from block ``b0``: weight bundles
-    (per 4 blocks and word j, t: ``ws[(4 (r // 4) + j) 2 + t]``, register = block), scale
-    bundles (per 4 blocks: j < 2, j >= 2; register 2 (j % 2) + t)."""
+    """The weight and scale loads of the chunk of CH blocks from block ``b0``: per 4 blocks
+    (quad q) the field-word bundles of word j, t (``ws[NW q + 2 j + t]``, register = block;
+    ``NW`` 8, or 16 for K = 3, 5, whose 1-bit-word bundles follow at ``NW q + 8 + 2 j + t``),
+    scale bundles (per 4 blocks: j < 2, j >= 2; register 2 (j % 2) + t).  Words come
+    shifted so that the lane's bits start at bit 0: K = 3's field word by 16 (c % 2), the
+    1-bit word by 8 c."""
     ws = ()
     ss = ()
     for q4 in gl.static_range(CH // SCALE_BLOCKS):
@@ -151,7 +182,15 @@ def _load_weights(
         ok = nb_ok & (bq < KBP) if MASK else nb_ok
         for jt in gl.static_range(8):
             col = (16 * (jt // 2) + 8 * (jt % 2)) * (KBP * BITS)
-            ws = ws + (gl.load(q_ptr + q_off + (col + bq * BITS), mask=ok, other=0),)
+            w = gl.load(q_ptr + q_off + (col + bq * BITS), mask=ok, other=0)
+            if BITS == 3:
+                w = w >> (16 * (c % 2))
+            ws = ws + (w,)
+        if BITS % 2 == 1:
+            for jt in gl.static_range(8):
+                col = (16 * (jt // 2) + 8 * (jt % 2)) * (KBP * BITS)
+                w = gl.load(q_ptr + h_off + (col + bq * BITS), mask=ok, other=0)
+                ws = ws + (w >> (8 * c),)
         for h in gl.static_range(2):
             col = 32 * h * KBS
             ss = ss + (gl.load(s_ptr + s_off + (col + bq // SCALE_BLOCKS), mask=ok, other=0),)
@@ -176,11 +215,13 @@ def _load_x(x_ptr, b0, x_off, x_pair, K2, CH: gl.constexpr, TM: gl.constexpr):
 
 @gluon.jit
 def _load_chunk(
-    q_ptr, x_ptr, s_ptr, b0, q_off, x_off, x_pair, s_off, nb_ok, KBP, KBS, K2,
+    q_ptr, x_ptr, s_ptr, b0, q_off, h_off, c, x_off, x_pair, s_off, nb_ok, KBP, KBS, K2,
     CH: gl.constexpr, TM: gl.constexpr, BITS: gl.constexpr, MASK: gl.constexpr,
 ):  # fmt: skip
     """Every load of the chunk of CH blocks from block ``b0``: `_load_weights`, `_load_x`."""
-    ws, ss = _load_weights(q_ptr, s_ptr, b0, q_off, s_off, nb_ok, KBP, KBS, CH, BITS, MASK)
+    ws, ss = _load_weights(
+        q_ptr, s_ptr, b0, q_off, h_off, c, s_off, nb_ok, KBP, KBS, CH, BITS, MASK
+    )
     xs = _load_x(x_ptr, b0, x_off, x_pair, K2, CH, TM)
     return ws, xs, ss
 
@@ -194,14 +235,17 @@ def _chunk(
     """The CH blocks of a chunk: per block and word j, two mma steps into a fresh partial sum,
     then acc += scale * partial."""
     NH: gl.constexpr = TM // 8
+    NW: gl.constexpr = 16 if BITS % 2 == 1 else 8  # weight bundles per 4 blocks
     for rr in gl.static_range(CH):
         res = ()
         for j in gl.static_range(4):
             part = _zeros(NH, W, L3)
-            w0 = ws[8 * (rr // SCALE_BLOCKS) + 2 * j]
-            w1 = ws[8 * (rr // SCALE_BLOCKS) + 2 * j + 1]
+            w0 = ws[NW * (rr // SCALE_BLOCKS) + 2 * j]
+            w1 = ws[NW * (rr // SCALE_BLOCKS) + 2 * j + 1]
+            h0 = ws[NW * (rr // SCALE_BLOCKS) + (NW - 8) + 2 * j]  # K = 2, 4: unused
+            h1 = ws[NW * (rr // SCALE_BLOCKS) + (NW - 8) + 2 * j + 1]
             for v in gl.static_range(2):
-                a = _lookup(w0, w1, lb, sel, rr % SCALE_BLOCKS, v, BITS, COPIES)
+                a = _lookup(w0, w1, h0, h1, lb, sel, rr % SCALE_BLOCKS, v, BITS, COPIES)
                 if TM == 8:
                     part = _mma(xs[rr], a, part, v, TM, False, IS_BF16)
                 else:
@@ -220,7 +264,7 @@ def kbit_mma_kernel(
     x_ptr,  # int32 view of x [M, K/2] (pairs of activations)
     q_ptr,  # int32 [(E,) N_pad, KBP * BITS] (field-packed)
     s_ptr,  # int32 view of the block scales [(E,) N_pad, 4 KBS]
-    lut_ptr,  # int32 [256, EW]: per byte, the registers its levels make (in x's dtype)
+    lut_ptr,  # int32 [NE, EW]: per index, the registers its levels make (in x's dtype)
     bias_ptr,  # [(E,) N]
     out_ptr,  # [M or rows, N], x's dtype
     ws_ptr,  # fp32 [>= token tiles * TM * N_pad] zeros (split-K only)
@@ -259,7 +303,8 @@ def kbit_mma_kernel(
     PDL: gl.constexpr = False,  # programmatic dependent launch (`common.pdl`)
 ):
     L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [W, 1, 1], [2, 1, 0])
-    EW: gl.constexpr = 1 if BITS == 4 else 2  # table words per entry
+    EW: gl.constexpr = 2 if BITS == 2 else 1  # table words per entry
+    NE: gl.constexpr = _table_entries(BITS)
     mt = gl.program_id(1)
     sp = gl.program_id(2)
     pdl.release(PDL)
@@ -287,7 +332,7 @@ def kbit_mma_kernel(
     lb0 = (l3 % COPIES) * (4 * EW) + 0 * r3
     lb = gl.inline_asm_elementwise(_BASE_ASM, "=r,r", [lb0], dtype=gl.int32, is_pure=True, pack=1)
     sel = 0x4440 + 2 * (c % 2) + r3 % 2
-    if BITS == 4:
+    if BITS >= 4:
         word = c
     else:
         word = c // 2
@@ -295,6 +340,7 @@ def kbit_mma_kernel(
     # (its word `word`: quad-interleaved, the 4 are contiguous);
     # scale bundle h: column 64 nb + 32 h + 16 (r3 // 2) + 8 (r3 % 2) + g (j = 2h + r3 // 2)
     q_off = (nb * 64 + g) * (KBP * BITS) + 4 * word + r3
+    h_off = (nb * 64 + g) * (KBP * BITS) + 4 * (BITS - 1) + r3  # K = 3, 5: the 1-bit word
     s_off = (nb * 64 + 16 * (r3 // 2) + 8 * (r3 % 2) + g) * KBS
     # x: TM = 8: token g, pairs 4c + r3 of the block; TM = 16: token g + 8 (r3 // 2), pairs
     # 4c + 2v + r3 % 2.  Tokens past the tile's rows read its last row (never stored).
@@ -311,18 +357,20 @@ def kbit_mma_kernel(
 
     # the first chunk's loads go out before the table is built; with PDL x waits for the
     # previous kernel to finish, after the table
-    ws, ss = _load_weights(q_ptr, s_ptr, sp * CH, q_off, s_off, nb_ok, KBP, KBS, CH, BITS, MASK_K)
+    ws, ss = _load_weights(
+        q_ptr, s_ptr, sp * CH, q_off, h_off, c, s_off, nb_ok, KBP, KBS, CH, BITS, MASK_K
+    )
     if not PDL:
         xs = _load_x(x_ptr, sp * CH, x_off, x_pair, K2, CH, TM)
     # the table, COPIES times: word (e COPIES + copy) EW + i = lut[e, i]; consecutive lanes
     # store consecutive copies (no bank conflicts)
     LF: gl.constexpr = gl.BlockedLayout([1, 1, EW], [32 // COPIES, COPIES, 1], [W, 1, 1], [2, 1, 0])
-    le = gl.arange(0, 256, layout=gl.SliceLayout(1, gl.SliceLayout(1, LF)))
+    le = gl.arange(0, NE, layout=gl.SliceLayout(1, gl.SliceLayout(1, LF)))
     li = gl.arange(0, EW, layout=gl.SliceLayout(0, gl.SliceLayout(1, LF)))
     lut2 = gl.load(lut_ptr + gl.expand_dims(le, 1) * EW + gl.expand_dims(li, 0))
-    lut3 = gl.expand_dims(lut2, 1) + gl.zeros([256, COPIES, EW], gl.int32, LF)
+    lut3 = gl.expand_dims(lut2, 1) + gl.zeros([NE, COPIES, EW], gl.int32, LF)
     table = gl.allocate_shared_memory(
-        gl.int32, [256, COPIES, EW], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
+        gl.int32, [NE, COPIES, EW], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
     )
     table.store(lut3)
     gl.thread_barrier()
@@ -336,8 +384,8 @@ def kbit_mma_kernel(
         b_next = ((it + 1) * SPLIT + sp) * CH
         if PIPE:  # the next chunk's loads before this chunk's math
             nws, nxs, nss = _load_chunk(
-                q_ptr, x_ptr, s_ptr, b_next, q_off, x_off, x_pair, s_off, nb_ok, KBP, KBS,
-                K2, CH, TM, BITS, MASK_K,
+                q_ptr, x_ptr, s_ptr, b_next, q_off, h_off, c, x_off, x_pair, s_off, nb_ok,
+                KBP, KBS, K2, CH, TM, BITS, MASK_K,
             )  # fmt: skip
             accs = _chunk(ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16, UE8M0)
             ws = nws
@@ -346,8 +394,8 @@ def kbit_mma_kernel(
         else:
             accs = _chunk(ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16, UE8M0)
             ws, xs, ss = _load_chunk(
-                q_ptr, x_ptr, s_ptr, b_next, q_off, x_off, x_pair, s_off, nb_ok, KBP, KBS,
-                K2, CH, TM, BITS, MASK_K,
+                q_ptr, x_ptr, s_ptr, b_next, q_off, h_off, c, x_off, x_pair, s_off, nb_ok,
+                KBP, KBS, K2, CH, TM, BITS, MASK_K,
             )  # fmt: skip
     accs = _chunk(ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16, UE8M0)
 
@@ -362,17 +410,28 @@ def kbit_mma_kernel(
 # host side
 
 
+def _entry_indices(bits: int, device) -> torch.Tensor:
+    """int64 ``[entries, elements]``: the codebook index of each element an entry decodes
+    (lowest first), as `_lookup_asm` builds the entry number."""
+    e = torch.arange(_table_entries(bits), device=device)[:, None]
+    if bits in (2, 4):  # a byte of 8 / bits fields
+        return (e >> (bits * torch.arange(8 // bits, device=device))) & ((1 << bits) - 1)
+    f = bits - 1  # two f-bit fields, then their two 1-bit fields at bits 2f, 2f + 1
+    two = torch.arange(2, device=device)
+    return ((e >> (f * two)) & ((1 << f) - 1)) | (((e >> (2 * f + two)) & 1) << f)
+
+
 def lookup_table(
     codebook: torch.Tensor, bits: int, dtype: torch.dtype, factor: float = 16.0
 ) -> torch.Tensor:
-    """int32 ``[256, 1]`` (K = 4) or ``[256, 2]`` (K = 2): for each byte value, the mma
-    registers its 2 or 4 fields make, as ``factor * codebook[field]`` in `dtype` (low half =
-    the lower field; 16 undoes the E4M4 scale's ``absmax / 16``, UE8M0 scales take 1)."""
+    """int32 ``[entries, words]``: for each table entry (a byte of fields at K = 2, 4; two
+    elements' fields with their 1-bit fields at K = 3, 5), the mma registers its levels make,
+    as ``factor * codebook[index]`` in `dtype` (low half = the lower element; 16 undoes the
+    E4M4 scale's ``absmax / 16``, UE8M0 scales take 1).  Entries 256 / 64 / 256 / 1024 and
+    words 2 / 1 / 1 / 1 for K = 2 / 3 / 4 / 5."""
     if bits not in MMA_BITS:
         raise ValueError(f"kbit mma kernel: bits must be one of {MMA_BITS}, got {bits}")
-    byte = torch.arange(256, device=codebook.device)
-    f = 8 // bits  # fields per byte, lowest bits first
-    fields = (byte[:, None] >> (bits * torch.arange(f, device=byte.device))) & ((1 << bits) - 1)
+    fields = _entry_indices(bits, codebook.device)
     half = (factor * codebook.to(torch.float32)[fields]).to(dtype).view(torch.int16)
     half = half.to(torch.int64) & 0xFFFF
     return _as_int32(half[:, 0::2] | (half[:, 1::2] << 16)).contiguous()

@@ -1,9 +1,8 @@
 """GPU probe of the kbit Gluon mma kernel (``kbit/triton/mma.py``): correctness against the
 float32 reference over M, bits, dtypes and configs, then timings (CUDA-graph replays over
-weights rotated past L2) against the Triton fused kernel, dequantize + cuBLAS, fp16 cuBLAS and
-the bandwidth floor.
+weights rotated past L2) of CONFIGS against fp16 cuBLAS and the bandwidth floor.
 
-    python benchmarks/probe_kbit_mma.py
+    python benchmarks/probe_kbit_mma.py --bits 4,2,3,5 --ms 1,8
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ import sys
 import torch
 
 from quantfw.kernels.common import timing
+from quantfw.kernels.kbit import configs as C
 from quantfw.kernels.kbit import layout
 from quantfw.kernels.kbit.triton import dispatch
 from quantfw.kernels.kbit.triton import mma as KM
@@ -37,65 +37,54 @@ def check(N, K, bits, M, dtype, cfg, bias):
     return max(err, err2), finite
 
 
-#: name: (mma config, register cap or None)
+#: name: keyword options of `kbit_mma_matmul` (table copies: the default of each K)
 CONFIGS = {
-    "r1": (("mma", 4, 4, 4, 1, False), None),
-    "rmax": (("mma", 4, 4, 4, 32, False), None),
-    "rmax128": (("mma", 4, 4, 4, 32, False), 128),
-    "rmaxp": (("mma", 4, 4, 4, 32, True), None),
-    "rmaxp128": (("mma", 4, 4, 4, 32, True), 128),
-    "r4p": (("mma", 4, 4, 4, 4, True), None),
-    "c8": (("mma", 4, 8, 4, 1, False), None),
-    "s3": (("mma", 4, 4, 3, 32, False), None),
-    "w2": (("mma", 2, 4, 8, 1, False), None),
-    "w2p128": (("mma", 2, 4, 8, 4, True), 128),
+    "c2": dict(ctas_per_sm=2),
+    "c3": dict(ctas_per_sm=3),
+    "c4": dict(ctas_per_sm=4),
 }
 
 
-def _mma_call(x, w, cfg, maxnreg):
-    """The mma kernel with an explicit config and register cap."""
-    _, warps, chunk, ctas, copies, pipe = cfg
-    if copies == 32 and w.bits == 2:
-        copies = 16
+def _mma_call(x, w, opts):
+    """The mma kernel with explicit options."""
+    opts = {"copies": C._mma_copies(w.bits), **opts}
     lut = dispatch._lookup_table(w, x.dtype)
     return functools.partial(
-        KM.kbit_mma_matmul, x, w.qweight, w.scales, lut, w.out_features, w.bits, None,
-        warps, chunk, ctas, copies, pipe, maxnreg,
-    )  # fmt: skip
+        KM.kbit_mma_matmul, x, w.qweight, w.scales, lut, w.out_features, w.bits, None, **opts
+    )
 
 
 def time_shape(K, N, bits, M, l2):
-    """Times (us) of fp16 cuBLAS, dequantize + cuBLAS, the default config before the mma
-    kernel, and CONFIGS."""
+    """Times (us) of fp16 cuBLAS and the mma kernel with each of CONFIGS."""
     nbytes = layout.tiled_nbytes(N, K, bits)
     ws = [random_kbit(N, K, bits, "cuda") for _ in range(timing.n_copies(nbytes, l2))]
     n_dense = timing.n_copies(N * K * 2, l2)
     dense = [torch.randn(N, K, device="cuda", dtype=torch.float16) for _ in range(n_dense)]
     x = torch.randn(M, K, device="cuda", dtype=torch.float16)
-    fused = ("fused", 16, 128, 128, 8, 1, 4, True)
-    deq = ("deq", 128, 128, 8)
     methods = [[functools.partial(torch.nn.functional.linear, x, d) for d in dense]]
-    for cfg in [deq, fused]:
-        methods.append([functools.partial(dispatch.kbit_matmul_cuda, x, w, None, cfg) for w in ws])
-    for cfg, maxnreg in CONFIGS.values():
-        methods.append([_mma_call(x, w, cfg, maxnreg) for w in ws])
+    for opts in CONFIGS.values():
+        methods.append([_mma_call(x, w, opts) for w in ws])
     return timing.graph_times(methods, timing.rough_time_us(nbytes, M, N, K))
 
 
 def main():
-    argparse.ArgumentParser(description=__doc__).parse_args()
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--ms", default="1,16", help="token counts to time")
+    ap.add_argument("--bits", default="4,2", help="bit widths to check and time")
+    args = ap.parse_args()
+    bitss = [int(b) for b in args.bits.split(",")]
     torch.manual_seed(0)
     fails = 0
     cases = []
-    for bits, dtype in itertools.product((4, 2), (torch.float16, torch.bfloat16)):
+    for bits, dtype in itertools.product(bitss, (torch.float16, torch.bfloat16)):
         for M in (1, 3, 8, 9, 16):
             cases.append((384, 1024, bits, M, dtype, {}, M == 3))
-    for bits in (4, 2):
+    for bits in bitss:
         for cfg in (
-            dict(copies=32 if bits == 4 else 16),
+            dict(copies=C._mma_copies(bits)),
             dict(chunk=8),
             dict(pipe=True),
-            dict(warps=8, ctas_per_sm=2),
+            dict(warps=8, ctas_per_sm=2, copies=C._mma_copies(bits)),
             dict(copies=4, pipe=True, chunk=8),
             dict(copies=4, pipe=True, maxnreg=128),
         ):
@@ -122,11 +111,9 @@ def main():
         ("down", 12288, 4096),
     ]
     head = " ".join(f"{k:>7}" for k in CONFIGS)
-    print(
-        f"{'shape':8} {'bits':4} {'M':>3} {'fp16':>7} {'deq':>7} {'fused':>7} {head}"
-        "  floor (us at 3.9 TB/s)"
-    )
-    for (name, K, N), bits, M in itertools.product(shapes, (4, 2), (1, 16)):
+    print(f"{'shape':8} {'bits':4} {'M':>3} {'fp16':>7} {head}  floor (us at 3.9 TB/s)")
+    ms = [int(m) for m in args.ms.split(",")]
+    for (name, K, N), bits, M in itertools.product(shapes, bitss, ms):
         ts = time_shape(K, N, bits, M, l2)
         floor = layout.tiled_nbytes(N, K, bits) / 3.9e6
         print(

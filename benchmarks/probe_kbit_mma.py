@@ -45,9 +45,14 @@ CONFIGS = {
 }
 
 
+def _copies(bits):
+    """The default config's table copies at K = `bits`."""
+    return C.default_config(1, 0, 0, bits)[4]
+
+
 def _mma_call(x, w, opts):
     """The mma kernel with explicit options."""
-    opts = {"copies": C._mma_copies(w.bits), **opts}
+    opts = {"copies": _copies(w.bits), **opts}
     lut = dispatch._lookup_table(w, x.dtype)
     return functools.partial(
         KM.kbit_mma_matmul, x, w.qweight, w.scales, lut, w.out_features, w.bits, None, **opts
@@ -81,10 +86,10 @@ def main():
             cases.append((384, 1024, bits, M, dtype, {}, M == 3))
     for bits in bitss:
         for cfg in (
-            dict(copies=C._mma_copies(bits)),
+            dict(copies=_copies(bits)),
             dict(chunk=8),
             dict(pipe=True),
-            dict(warps=8, ctas_per_sm=2, copies=C._mma_copies(bits)),
+            dict(warps=8, ctas_per_sm=2, copies=_copies(bits)),
             dict(copies=4, pipe=True, chunk=8),
             dict(copies=4, pipe=True, maxnreg=128),
         ):

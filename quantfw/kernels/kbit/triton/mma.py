@@ -180,17 +180,16 @@ def _load_weights(
     for q4 in gl.static_range(CH // SCALE_BLOCKS):
         bq = b0 + SCALE_BLOCKS * q4
         ok = nb_ok & (bq < KBP) if MASK else nb_ok
+        hs = ()
         for jt in gl.static_range(8):
-            col = (16 * (jt // 2) + 8 * (jt % 2)) * (KBP * BITS)
-            w = gl.load(q_ptr + q_off + (col + bq * BITS), mask=ok, other=0)
+            at = (16 * (jt // 2) + 8 * (jt % 2)) * (KBP * BITS) + bq * BITS
+            w = gl.load(q_ptr + q_off + at, mask=ok, other=0)
             if BITS == 3:
                 w = w >> (16 * (c % 2))
             ws = ws + (w,)
-        if BITS % 2 == 1:
-            for jt in gl.static_range(8):
-                col = (16 * (jt // 2) + 8 * (jt % 2)) * (KBP * BITS)
-                w = gl.load(q_ptr + h_off + (col + bq * BITS), mask=ok, other=0)
-                ws = ws + (w >> (8 * c),)
+            if BITS % 2 == 1:
+                hs = hs + (gl.load(q_ptr + h_off + at, mask=ok, other=0) >> (8 * c),)
+        ws = ws + hs
         for h in gl.static_range(2):
             col = 32 * h * KBS
             ss = ss + (gl.load(s_ptr + s_off + (col + bq // SCALE_BLOCKS), mask=ok, other=0),)

@@ -220,11 +220,15 @@ def main() -> None:
             for max_len in lens:
                 t0 = time.perf_counter()
                 kbit = re.fullmatch(r"kbit(\d)", method)  # quantized while loading
-                quant = {"quantization": "kbit", "quantization_args": {"bits": int(kbit[1])}}
+                quant = (
+                    {"quantization": "kbit", "quantization_args": {"bits": int(kbit[1])}}
+                    if kbit
+                    else {}
+                )
                 engine = LLMEngine(
                     path, dtype="float16", load_format="dummy", max_model_len=max_len,
                     max_num_seqs=16, tokenizer=None, gpu_memory_utilization=0.85,
-                    decode_window=args.decode_window, **(quant if kbit else {}),
+                    decode_window=args.decode_window, **quant,
                 )  # fmt: skip
                 load_s = time.perf_counter() - t0
                 wb = weight_bytes(engine.model)

@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,16")
     ap.add_argument("--out", default=None)
     ap.add_argument("--random-prompts", action="store_true")
+    ap.add_argument("--methods", default="mxfp4,bf16", help="mxfp4 experts, bf16 experts")
     args = ap.parse_args()
     config, _ = read_hf_config("gpt-oss-20b")
     report = {
@@ -47,7 +48,9 @@ def main() -> None:
         "runs": {},
     }
     with tempfile.TemporaryDirectory() as tmp:
-        for name, quant in (("mxfp4", config["quantization_config"]), ("bf16", None)):
+        quants = {"mxfp4": config["quantization_config"], "bf16": None}
+        for name in args.methods.split(","):
+            quant = quants[name]
             folder = write_config_folder(config, os.path.join(tmp, name), quant)
             engine = LLMEngine(
                 folder, dtype="bfloat16", load_format="dummy", max_model_len=1024,
@@ -66,7 +69,7 @@ def main() -> None:
                 print(f"{name} bs={b}: {total:.0f} us of GPU time per step", flush=True)
                 for kind, us in sorted(prof["by_kind_us"].items(), key=lambda kv: -kv[1]):
                     print(f"  {kind:18s} {us:8.1f} us  {100 * us / total:5.1f}%", flush=True)
-                for kernel, us in list(prof["top_kernels_us"].items())[:6]:
+                for kernel, us in prof["top_kernels_us"].items():
                     short = re.sub(r"\s+", " ", kernel)
                     print(f"    {us:8.1f} us  {short}", flush=True)
                 report["runs"][f"{name}-bs{b}"] = {"step_gpu_us": total, **prof}

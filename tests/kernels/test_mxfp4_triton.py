@@ -165,3 +165,32 @@ def test_gpu_moe_layer_captures_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("scoring", ["topk_softmax", "softmax_topk"])
+def test_gpu_router_topk_matches_torch(dtype, scoring):
+    """The one-launch router (`moe.select_experts` on CUDA: `triton_routing.router_topk`)
+    against torch's softmax / topk on
+    the same GPU: the same experts in the same order, every weight within one unit in the
+    last place of the output dtype (GPT-OSS and Qwen3-MoE expert counts, decode to prefill)."""
+    pytest.importorskip("triton")
+    g = torch.Generator().manual_seed(11)
+    ulp = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 1e-6}[dtype]
+    for t, e, k in ((1, 32, 4), (16, 32, 4), (4096, 32, 4), (7, 128, 8), (1000, 128, 8)):
+        for renorm in (False, True):
+            rows = torch.stack([torch.randperm(e, generator=g) for _ in range(t)])
+            logits = ((rows - e / 2) / 8).to(dtype).cuda()  # distinct in every dtype: no ties
+            w, ids = moe.select_experts(logits, k, scoring, renorm)
+            assert w.dtype == dtype and ids.dtype == torch.int64
+            if scoring == "softmax_topk":
+                ref_w, ref_ids = torch.topk(torch.softmax(logits, -1, dtype=torch.float32), k)
+                ref_w = (ref_w / ref_w.sum(-1, keepdim=True) if renorm else ref_w).to(dtype)
+            else:
+                v, ref_ids = torch.topk(logits, k)
+                ref_w = torch.softmax(v, -1, dtype=dtype)
+                ref_w = ref_w / ref_w.sum(-1, keepdim=True) if renorm else ref_w
+            assert torch.equal(ids, ref_ids), (t, e, k, renorm)
+            err = ((w.double() - ref_w.double()).abs() / ref_w.double().abs()).max().item()
+            assert err <= ulp, (t, e, k, renorm, err)

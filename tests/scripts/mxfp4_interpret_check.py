@@ -5,6 +5,7 @@ one line per check and exits non-zero on a failure."""
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 import torch
@@ -153,8 +154,46 @@ def align() -> None:
         )
 
 
+def _torch_route(logits, top, scoring, renorm):
+    """`moe.select_experts`'s torch arithmetic (what transformers' routers compute)."""
+    if scoring == "softmax_topk":
+        w, ids = torch.topk(torch.softmax(logits, -1, dtype=torch.float32), top, dim=-1)
+        w = w / w.sum(-1, keepdim=True) if renorm else w
+        return w.to(logits.dtype), ids
+    v, ids = torch.topk(logits, top, dim=-1)
+    w = torch.softmax(v, -1, dtype=v.dtype)
+    return (w / w.sum(-1, keepdim=True) if renorm else w), ids
+
+
+def router() -> None:
+    from quantfw.kernels.moe.triton_routing import router_topk
+
+    g = torch.Generator().manual_seed(4)
+    cases = ((1, 32, 4), (19, 8, 3), (40, 128, 8), (5, 60, 6), (3, 7, 7))
+    # float16, not bfloat16: Triton 3.6's interpreter truncates float32 -> bfloat16 (the GPU
+    # rounds to nearest; the gpu test covers bfloat16)
+    for (t, e, top), dtype in itertools.product(cases, (torch.float32, torch.float16)):
+        for scoring, renorm in itertools.product(moe.SCORING_FUNCTIONS, (False, True)):
+            # distinct logits in every dtype (no ties), read through a row stride
+            distinct = torch.stack([torch.randperm(e + 3, generator=g) for _ in range(t)])
+            logits = ((distinct - e / 2) / 8).to(dtype)[:, 1 : e + 1]
+            w, ids = router_topk(logits, top, scoring == "softmax_topk", renorm)
+            ref_w, ref_ids = _torch_route(logits, top, scoring, renorm)
+            # elementwise relative error; float16: one unit in the last place (the kernel's exp
+            # and torch's can differ by a float32 ulp, which may round the other way)
+            err = ((w.double() - ref_w.double()).abs() / ref_w.double().abs()).max().item()
+            err = err if torch.equal(ids, ref_ids) else 1.0
+            tol = 1e-6 if dtype == torch.float32 else 2**-10
+            check(f"router t={t} E={e} k={top} {scoring} renorm={renorm} {dtype}", err, tol)
+    tied = torch.zeros(2, 8)  # equal logits: the lower expert ids, in order
+    tied[1, 5] = 1.0
+    _, ids = router_topk(tied, 3, False, False)
+    check("router ties -> lower ids", 0.0 if ids.tolist() == [[0, 1, 2], [5, 0, 1]] else 1.0, 0.0)
+
+
 if __name__ == "__main__":
     patch_interpreter_scalar_index()
+    router()
     align()
     decode()
     dequantize()

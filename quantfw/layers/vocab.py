@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantfw import distributed as qdist
+from quantfw.kernels.dense import ops as dense_ops
 from quantfw.layers.sharding import load_vocab_shard, set_weight_attrs, vocab_range
 
 DEFAULT_VOCAB_PADDING = 64
@@ -72,7 +73,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     gathered and the padding cut off."""
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, self.weight)
+        logits = dense_ops.linear(hidden_states, self.weight)
         logits = qdist.all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings]
 

@@ -107,8 +107,29 @@ def fused() -> None:
             check(f"qk_norm_rope + store rot={rot} norm={norm} {dtype}", err, tol)
 
 
+def gemv() -> None:
+    from quantfw.kernels.dense.gemv import dense_gemv
+
+    g = torch.Generator().manual_seed(5)
+    # N not a multiple of the column tile, K not of the K step; one and several CTAs along K
+    for n, k, cfg in (
+        (70, 300, dict(block_n=32, block_k=64)),
+        (40, 96, dict(block_n=16, block_k=128)),
+        (33, 1000, dict(block_n=16, block_k=128, ctas_per_sm=1)),
+    ):
+        for bias in (True, False):
+            w = torch.randn(n + 5, k, generator=g)[:n]  # a row stride past K
+            x = torch.randn(1, k, generator=g)
+            b = torch.randn(n, generator=g) if bias else None
+            ref = x.double() @ w.double().T + (b.double() if bias else 0)
+            for _ in range(2):  # the second call finds the workspace zeroed again
+                out = dense_gemv(x, w, b, **cfg)
+            check(f"dense_gemv N={n} K={k} {cfg} bias={bias}", rel(out, ref), 1e-6)
+
+
 if __name__ == "__main__":
     patch_interpreter_scalar_index()
     attention()
     fused()
+    gemv()
     sys.exit(1 if FAILED else 0)

@@ -28,7 +28,11 @@ def _index(device) -> int | str:
 
 
 def num_sms(device) -> int:
+    """Multiprocessors of a CUDA device; 4 for the CPU (Triton's interpreter), so that small
+    test shapes still plan a split along K."""
     idx = _index(device)
+    if isinstance(idx, str):
+        return 4
     if idx not in _NUM_SMS:
         _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _NUM_SMS[idx]

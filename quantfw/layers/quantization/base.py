@@ -7,9 +7,9 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from quantfw.kernels.dense import ops as dense_ops
 from quantfw.layers.sharding import set_weight_attrs
 
 
@@ -94,7 +94,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return dense_ops.linear(x, layer.weight, bias)
 
     def runtime_nbytes(self, layer: nn.Module) -> int:
         return layer.weight.numel() * layer.weight.element_size()

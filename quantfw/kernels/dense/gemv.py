@@ -1,0 +1,106 @@
+"""One-token matmul of a dense fp16/bf16 weight (``y = x @ W.T + b``, x one row) in one Triton
+launch: split-K over the whole GPU, partial sums in the shared self-cleaning workspace
+(`common.splitk`), the last CTA of a column tile adding the bias and storing.
+
+cuBLAS reaches 1.06-1.1x the bandwidth floor on large decode GEMVs (an LM head, Qwen3-8B's
+gate_up) but 1.3-1.8x on the ~10-30 MB attention projections and ~6 us on a 32-expert router
+(`benchmarks/probe_dense_gemv.py`); `dense.ops.linear` sends the shapes it pays on here.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from quantfw.kernels.common import pdl, splitk
+
+
+@triton.jit
+def _dense_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    out_ptr,
+    ws_ptr,
+    cnt_ptr,
+    N,
+    K,
+    stride_wn,
+    k_per_split,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    pdl.wait_and_release(PDL)
+    pid_n = tl.program_id(0)
+    sp = tl.program_id(1)
+    n = pid_n * BN + tl.arange(0, BN)
+    nmask = n < N
+    rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    acc = tl.zeros([BN], tl.float32)
+    k0 = sp * k_per_split
+    for k in range(k0, tl.minimum(k0 + k_per_split, K), BK):
+        kk = k + tl.arange(0, BK)
+        kmask = kk < K
+        x = tl.load(x_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
+        w = tl.load(rows + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+    if SPLIT > 1:
+        tl.atomic_add(ws_ptr + n, acc, mask=nmask, sem="relaxed")
+        tl.debug_barrier()
+        ticket = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if ticket == SPLIT - 1:
+            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed")
+            # after the acquiring ticket every CTA's adds have landed in L2: read them past L1,
+            # all threads before any writes the zeros back (an element may live in several)
+            acc = tl.load(ws_ptr + n, mask=nmask, other=0.0, cache_modifier=".cg")
+            tl.debug_barrier()
+            tl.store(ws_ptr + n, tl.zeros_like(acc), mask=nmask)
+            _store(acc, bias_ptr, out_ptr, n, nmask, HAS_BIAS)
+    else:
+        _store(acc, bias_ptr, out_ptr, n, nmask, HAS_BIAS)
+
+
+@triton.jit
+def _store(acc, bias_ptr, out_ptr, n, nmask, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=nmask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + n, acc.to(out_ptr.dtype.element_ty), mask=nmask)
+
+
+def dense_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    block_n: int = 32,
+    block_k: int = 512,
+    ctas_per_sm: int = 4,
+    warps: int = 4,
+) -> torch.Tensor:
+    """``x [1, K] @ weight[N, K].T (+ bias)`` -> ``[1, N]`` in x's dtype (the weight's rows
+    contiguous); the split along K fills ``ctas_per_sm`` CTAs of ``block_n`` columns per SM."""
+    if x.dim() != 2 or x.shape[0] != 1 or x.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"dense_gemv: x must be [1, {weight.shape[1]}] for weight {tuple(weight.shape)}, "
+            f"got {tuple(x.shape)}"
+        )
+    if weight.stride(1) != 1:
+        raise ValueError("dense_gemv: the weight's rows must be contiguous")
+    N, K = weight.shape
+    x = x.contiguous()
+    out = torch.empty(1, N, dtype=x.dtype, device=x.device)
+    tiles = triton.cdiv(N, block_n)
+    split, n_iter = splitk.split_plan(
+        triton.cdiv(K, block_k), tiles, splitk.num_sms(x.device), ctas_per_sm
+    )
+    ws, cnt = splitk.workspace(x.device, N if split > 1 else 1, tiles)
+    _dense_gemv_kernel[(tiles, split)](
+        x, weight, bias if bias is not None else out, out, ws, cnt, N, K, weight.stride(0),
+        n_iter * block_k, BN=block_n, BK=block_k, SPLIT=split, HAS_BIAS=bias is not None,
+        num_warps=warps, **pdl.launch_options(pdl.enabled(x.device)),
+    )  # fmt: skip
+    return out

@@ -1,0 +1,49 @@
+"""The one-token dense GEMV (`kernels.dense`): which shapes it takes, the CPU fallback, and on
+the GPU the kernel against a float32 reference (the interpreter twin is in
+tests/scripts/triton_interpret_check.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from quantfw.kernels.dense import ops
+
+
+def test_gemv_config_takes_routers_and_vocabularies_only():
+    assert ops.gemv_config(32, 2880) is not None  # a 32-expert router
+    assert ops.gemv_config(201088, 2880) is not None  # an LM head
+    assert ops.gemv_config(151936, 4096) is not None
+    for n, k in ((5120, 2880), (2880, 4096), (24576, 4096), (4096, 12288)):
+        assert ops.gemv_config(n, k) is None, (n, k)
+
+
+def test_linear_on_cpu_is_f_linear():
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(1, 64, generator=g), torch.randn(32, 64, generator=g), torch.randn(32)
+    assert torch.equal(ops.linear(x, w, b), F.linear(x, w, b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_dense_gemv_matches_reference(dtype):
+    pytest.importorskip("triton")
+    from quantfw.kernels.dense.gemv import dense_gemv
+
+    g = torch.Generator().manual_seed(1)
+    for n, k, bias in ((32, 2880, True), (128, 2048, False), (70, 300, True), (65536, 4096, False)):
+        w = torch.randn(n, k, generator=g).to(dtype).cuda()
+        x = torch.randn(1, k, generator=g).to(dtype).cuda()
+        b = torch.randn(n, generator=g).to(dtype).cuda() if bias else None
+        ref = x.float() @ w.float().T + (b.float() if bias else 0)
+        cfg = ops.gemv_config(n, k) or dict(block_n=16, block_k=256, ctas_per_sm=8)
+        for _ in range(2):  # the second call finds the split-K workspace zeroed again
+            out = dense_gemv(x, w, b, **cfg)
+            assert out.dtype == dtype and out.shape == (1, n)
+            err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+            assert err <= 4e-3, (n, k, err)
+        via = ops.linear(x.view(1, 1, k), w, b)  # what the layers call: same kernel, same shape
+        assert via.shape == (1, 1, n)
+        if ops.gemv_config(n, k) is not None:
+            assert torch.equal(via.view(1, n), out)

@@ -47,3 +47,34 @@ def test_gpu_dense_gemv_matches_reference(dtype):
         assert via.shape == (1, 1, n)
         if ops.gemv_config(n, k) is not None:
             assert torch.equal(via.view(1, n), out)
+
+
+@pytest.mark.parametrize("split,pdl", [(1, False), (4, True)])
+def test_gemv_and_router_kernels_compile_for_sm90_without_a_gpu(split, pdl):
+    """Ahead-of-time compiles through Triton's bundled ptxas (no GPU): the GEMV with and
+    without the split-K epilogue, and the one-launch router of `moe.triton_routing`, with and
+    without programmatic dependent launch."""
+    pytest.importorskip("triton")
+    from aot import compile_for_sm90
+
+    from quantfw.kernels.dense.gemv import _dense_gemv_kernel
+    from quantfw.kernels.moe.triton_routing import _router_topk_kernel
+
+    signature = {
+        "x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+        "ws_ptr": "*fp32", "cnt_ptr": "*i32", "N": "i32", "K": "i32", "stride_wn": "i32",
+        "k_per_split": "i32",
+    }  # fmt: skip
+    consts = {"BN": 16, "BK": 256, "SPLIT": split, "HAS_BIAS": True, "PDL": pdl}
+    kernel = compile_for_sm90(_dense_gemv_kernel, signature, consts, num_warps=4, launch_pdl=pdl)
+    assert ("griddepcontrol.wait" in kernel.asm["ptx"]) == pdl
+    ptx = kernel.asm["ptx"]
+    assert ("atom.global" in ptx or "red.global" in ptx) == (split > 1)
+    signature = {
+        "logits_ptr": "*bf16", "weights_ptr": "*bf16", "ids_ptr": "*i64", "T": "i32", "E": "i32",
+        "stride_t": "i32",
+    }  # fmt: skip
+    for softmax_first in (True, False):
+        consts = {"TOP_K": 4, "E_P": 32, "ROWS": 16, "SOFTMAX_FIRST": softmax_first,
+                  "RENORM": True, "PDL": pdl}  # fmt: skip
+        compile_for_sm90(_router_topk_kernel, signature, consts, num_warps=1, launch_pdl=pdl)

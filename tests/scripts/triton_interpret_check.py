@@ -108,6 +108,7 @@ def fused() -> None:
 
 
 def gemv() -> None:
+    from quantfw.kernels.common import splitk
     from quantfw.kernels.dense.gemv import dense_gemv
 
     g = torch.Generator().manual_seed(5)
@@ -125,6 +126,8 @@ def gemv() -> None:
             for _ in range(2):  # the second call finds the workspace zeroed again
                 out = dense_gemv(x, w, b, **cfg)
             check(f"dense_gemv N={n} K={k} {cfg} bias={bias}", rel(out, ref), 1e-6)
+            ws, cnt = splitk.WORKSPACE.get("cpu", (torch.zeros(1), torch.zeros(1)))
+            check("dense_gemv leaves the workspace clean", float(ws.any() or cnt.any()), 0.0)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from quantfw.kernels.common import pdl, splitk
+from quantfw.kernels.common.splitk_epilogue import add_partial
 
 
 @triton.jit
@@ -49,16 +50,8 @@ def _dense_gemv_kernel(
         w = tl.load(rows + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
     if SPLIT > 1:
-        tl.atomic_add(ws_ptr + n, acc, mask=nmask, sem="relaxed")
-        tl.debug_barrier()
-        ticket = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
-        if ticket == SPLIT - 1:
-            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed")
-            # after the acquiring ticket every CTA's adds have landed in L2: read them past L1,
-            # all threads before any writes the zeros back (an element may live in several)
-            acc = tl.load(ws_ptr + n, mask=nmask, other=0.0, cache_modifier=".cg")
-            tl.debug_barrier()
-            tl.store(ws_ptr + n, tl.zeros_like(acc), mask=nmask)
+        last, acc = add_partial(acc, ws_ptr, n, nmask, cnt_ptr + pid_n, SPLIT)
+        if last:
             _store(acc, bias_ptr, out_ptr, n, nmask, HAS_BIAS)
     else:
         _store(acc, bias_ptr, out_ptr, n, nmask, HAS_BIAS)

@@ -24,6 +24,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from quantfw.kernels.common.splitk_epilogue import add_partial
+
 
 @triton.jit
 def _spread(x, F: tl.constexpr):
@@ -182,19 +184,10 @@ def kbit_gemm_kernel(
         acc = tl.trans(acc)
     mask = m_ok & (n < N)[None, :]
     if SPLIT_K:
-        offs = m[:, None] * N + n[None, :]
-        tl.atomic_add(ws_ptr + offs, acc, mask=mask, sem="relaxed")
-        tl.debug_barrier()
         cnt = cnt_ptr + pid_m * tl.num_programs(0) + pid_n
-        ticket = tl.atomic_add(cnt, 1, sem="acq_rel")
-        if ticket == tl.num_programs(1) - 1:
-            tl.atomic_xchg(cnt, 0, sem="relaxed")
-            # after the acquiring ticket every CTA's adds have landed in L2: read them past L1
-            acc = tl.load(ws_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-            # the accumulator's layout can hold an element in several threads: every thread
-            # reads its sums before any thread writes the zeros back
-            tl.debug_barrier()
-            tl.store(ws_ptr + offs, tl.zeros_like(acc), mask=mask)
+        last, acc = add_partial(acc, ws_ptr, m[:, None] * N + n[None, :], mask, cnt,
+                                tl.num_programs(1))  # fmt: skip
+        if last:
             _store(acc, out_ptr, bias_ptr, m, n, mask, N, stride_om, HAS_BIAS)
     else:
         _store(acc, out_ptr, bias_ptr, m, n, mask, N, stride_om, HAS_BIAS)

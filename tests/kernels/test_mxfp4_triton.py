@@ -172,9 +172,9 @@ def test_gpu_moe_layer_captures_in_a_cuda_graph():
 @pytest.mark.parametrize("scoring", ["topk_softmax", "softmax_topk"])
 def test_gpu_router_topk_matches_torch(dtype, scoring):
     """The one-launch router (`moe.select_experts` on CUDA: `triton_routing.router_topk`)
-    against torch's softmax / topk on
-    the same GPU: the same experts in the same order, every weight within one unit in the
-    last place of the output dtype (GPT-OSS and Qwen3-MoE expert counts, decode to prefill)."""
+    against torch's softmax / topk on the same GPU: the same experts in the same order, every
+    weight within one unit in the last place of the output dtype (GPT-OSS and Qwen3-MoE expert
+    counts, decode to prefill)."""
     pytest.importorskip("triton")
     g = torch.Generator().manual_seed(11)
     ulp = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 1e-6}[dtype]

@@ -1,8 +1,8 @@
 """Router top-k in one Triton launch: ``routing.select_experts`` for CUDA logits.
 
 torch's path launches a softmax, ``topk`` (a radix select and a sort of the k winners) and the
-casts: four to six kernels per MoE layer, about 9 us of a batch-1 decode step each on an H100
-(`benchmarks/mxfp4-lab-log.md` §6). Here one program takes ``ROWS`` tokens and picks their k
+casts: four to six kernels per MoE layer, about 9 us a layer of a batch-1 decode step on an
+H100 (`benchmarks/mxfp4-lab-log.md` §6). Here one program takes ``ROWS`` tokens and picks their k
 experts by k passes of a row max (ties: the lower expert id first), ranking the logits
 themselves (softmax preserves their order), then computes the weights as
 `routing.select_experts` does for each scoring function.

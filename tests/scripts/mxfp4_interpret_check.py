@@ -189,6 +189,16 @@ def router() -> None:
     tied[1, 5] = 1.0
     _, ids = router_topk(tied, 3, False, False)
     check("router ties -> lower ids", 0.0 if ids.tolist() == [[0, 1, 2], [5, 0, 1]] else 1.0, 0.0)
+    # fewer than k finite logits, NaN (ranked highest, as torch.topk does), E not a power of
+    # two: k distinct real experts, the finite ones in torch's order, zero weight for -inf
+    inf, nan = float("inf"), float("nan")
+    odd = torch.tensor([[1.0, -inf, -inf, -inf, 0.5, -inf], [nan] * 6, [0.0, nan, 2.0, 1.0, -1, 3]])
+    for scoring in moe.SCORING_FUNCTIONS:
+        w, ids = router_topk(odd, 3, scoring == "softmax_topk", False)
+        distinct = all(len(set(r)) == 3 and max(r) < 6 for r in ids.tolist())
+        ok = distinct and ids[0, :2].tolist() == [0, 4] and w[0, 2].item() == 0.0
+        ok = ok and ids[2, 0].item() == 1 and ids[2, 1:].tolist() == [5, 2]
+        check(f"router -inf / NaN logits {scoring}: distinct real ids", 0.0 if ok else 1.0, 0.0)
 
 
 if __name__ == "__main__":

@@ -112,20 +112,21 @@ def gemv() -> None:
     from quantfw.kernels.dense.gemv import dense_gemv
 
     g = torch.Generator().manual_seed(5)
-    # N not a multiple of the column tile, K not of the K step; one and several CTAs along K
-    for n, k, cfg in (
-        (70, 300, dict(block_n=32, block_k=64)),
-        (40, 96, dict(block_n=16, block_k=128)),
-        (33, 1000, dict(block_n=16, block_k=128, ctas_per_sm=1)),
-    ):
+    # N not a multiple of the column tile, K not of the K step, weight rows with a stride; the
+    # interpreter's "GPU" has 4 SMs, so the first three split K (5, 3 and 8 CTAs a tile)
+    for n, k, cfg in ((70, 300, dict(block_n=32, block_k=64)),
+                      (40, 96, dict(block_n=16, block_k=32, ctas_per_sm=4)),
+                      (33, 1000, dict(block_n=16, block_k=128, ctas_per_sm=8)),
+                      (33, 1000, dict(block_n=16, block_k=128, ctas_per_sm=1))):  # fmt: skip
         for bias in (True, False):
-            w = torch.randn(n + 5, k, generator=g)[:n]  # a row stride past K
+            w = torch.randn(n, k + 5, generator=g)[:, :k]  # a row stride past K
             x = torch.randn(1, k, generator=g)
             b = torch.randn(n, generator=g) if bias else None
             ref = x.double() @ w.double().T + (b.double() if bias else 0)
-            for _ in range(2):  # the second call finds the workspace zeroed again
-                out = dense_gemv(x, w, b, **cfg)
-            check(f"dense_gemv N={n} K={k} {cfg} bias={bias}", rel(out, ref), 1e-6)
+            first = dense_gemv(x, w, b, **cfg)
+            again = dense_gemv(x, w, b, **cfg)  # finds the workspace zeroed again
+            check(f"dense_gemv N={n} K={k} {cfg} bias={bias}", rel(first, ref), 1e-6)
+            check("dense_gemv: the same bits twice", 0.0 if torch.equal(first, again) else 1.0, 0.0)
             ws, cnt = splitk.WORKSPACE.get("cpu", (torch.zeros(1), torch.zeros(1)))
             check("dense_gemv leaves the workspace clean", float(ws.any() or cnt.any()), 0.0)
 

@@ -1,5 +1,8 @@
 """The device side of split-K in one launch (Triton): `common.splitk` plans the split and owns
-the workspace and arrival counters; a kernel's CTAs end with `add_partial`."""
+the workspace and arrival counters; a kernel's CTAs end with `add_partial` (atomic adds into
+one ``[M, N]`` workspace tile: any split, summed in arrival order) or `ordered_sum` (a row per
+CTA, summed in a fixed order: the same bits every run, for layers every tensor-parallel rank
+computes whole, such as a MoE router)."""
 
 from __future__ import annotations
 
@@ -26,4 +29,28 @@ def add_partial(acc, ws_ptr, offs, mask, cnt_ptr, n_split):
         sums = tl.load(ws_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
         tl.debug_barrier()
         tl.store(ws_ptr + offs, tl.zeros_like(sums), mask=mask)
+    return last, sums
+
+
+@triton.jit
+def ordered_sum(acc, ws_ptr, n, mask, N, sp, cnt_ptr, SPLIT: tl.constexpr, SPLIT_P: tl.constexpr):
+    """Split-K with a sum that has the same bits whatever order the CTAs finish in: CTA
+    ``sp`` (of SPLIT; SPLIT_P its power of two) stores its partial ``acc`` of columns ``n`` in
+    its own workspace row (``ws[sp * N + n]``) and bumps the tile's counter; the last to arrive
+    sums the SPLIT rows in one fixed order and writes zeros back. Returns ``(last, sums)`` as
+    `add_partial` does. The workspace must hold ``SPLIT * N`` floats."""
+    tl.store(ws_ptr + sp * N + n, acc, mask=mask)
+    tl.debug_barrier()
+    ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
+    last = ticket == SPLIT - 1
+    sums = acc
+    if last:
+        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed")
+        s = tl.arange(0, SPLIT_P)
+        rows = ws_ptr + s[:, None] * N + n[None, :]
+        rows_mask = (s < SPLIT)[:, None] & mask[None, :]
+        parts = tl.load(rows, mask=rows_mask, other=0.0, cache_modifier=".cg")
+        sums = tl.sum(parts, axis=0)
+        tl.debug_barrier()
+        tl.store(rows, tl.zeros_like(parts), mask=rows_mask)
     return last, sums

@@ -1,6 +1,8 @@
 """One-token matmul of a dense fp16/bf16 weight (``y = x @ W.T + b``, x one row) in one Triton
-launch: split-K over the whole GPU, partial sums in the shared self-cleaning workspace
-(`common.splitk`), the last CTA of a column tile adding the bias and storing.
+launch: split-K over the whole GPU, each CTA's partial sums in its own row of the shared
+self-cleaning workspace (`common.splitk`), the last CTA of a column tile summing them in a
+fixed order (the same bits every run: a replicated router gives every tensor-parallel rank the
+same experts), adding the bias and storing.
 
 cuBLAS reaches 1.06-1.1x the bandwidth floor on large decode GEMVs (an LM head, Qwen3-8B's
 gate_up) but 1.3-1.8x on the ~10-30 MB attention projections and ~6 us on a 32-expert router
@@ -14,7 +16,7 @@ import triton
 import triton.language as tl
 
 from quantfw.kernels.common import pdl, splitk
-from quantfw.kernels.common.splitk_epilogue import add_partial
+from quantfw.kernels.common.splitk_epilogue import ordered_sum
 
 
 @triton.jit
@@ -32,6 +34,7 @@ def _dense_gemv_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     SPLIT: tl.constexpr,
+    SPLIT_P: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
@@ -49,8 +52,8 @@ def _dense_gemv_kernel(
         x = tl.load(x_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
         w = tl.load(rows + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-    if SPLIT > 1:
-        last, acc = add_partial(acc, ws_ptr, n, nmask, cnt_ptr + pid_n, SPLIT)
+    if SPLIT > 1:  # a reproducible sum: replicated layers (routers) agree across TP ranks
+        last, acc = ordered_sum(acc, ws_ptr, n, nmask, N, sp, cnt_ptr + pid_n, SPLIT, SPLIT_P)
         if last:
             _store(acc, bias_ptr, out_ptr, n, nmask, HAS_BIAS)
     else:
@@ -90,10 +93,11 @@ def dense_gemv(
     split, n_iter = splitk.split_plan(
         triton.cdiv(K, block_k), tiles, splitk.num_sms(x.device), ctas_per_sm
     )
-    ws, cnt = splitk.workspace(x.device, N if split > 1 else 1, tiles)
+    ws, cnt = splitk.workspace(x.device, split * N if split > 1 else 1, tiles)
     _dense_gemv_kernel[(tiles, split)](
         x, weight, bias if bias is not None else out, out, ws, cnt, N, K, weight.stride(0),
-        n_iter * block_k, BN=block_n, BK=block_k, SPLIT=split, HAS_BIAS=bias is not None,
+        n_iter * block_k, BN=block_n, BK=block_k, SPLIT=split,
+        SPLIT_P=triton.next_power_of_2(split), HAS_BIAS=bias is not None,
         num_warps=warps, **pdl.launch_options(pdl.enabled(x.device)),
     )  # fmt: skip
     return out

@@ -3,9 +3,9 @@
 torch's path launches a softmax, ``topk`` (a radix select and a sort of the k winners) and the
 casts: four to six kernels per MoE layer, about 9 us a layer of a batch-1 decode step on an
 H100 (`benchmarks/mxfp4-lab-log.md` §6). Here one program takes ``ROWS`` tokens and picks their k
-experts by k passes of a row max (ties: the lower expert id first), ranking the logits
-themselves (softmax preserves their order), then computes the weights as
-`routing.select_experts` does for each scoring function.
+experts by k passes of a row max over the experts not yet taken (ties: the lower expert id
+first), ranking the logits themselves (softmax preserves their order), then computes the
+weights as `routing.select_experts` does for each scoring function.
 """
 
 from __future__ import annotations
@@ -45,15 +45,17 @@ def _router_topk_kernel(
         mask=tmask[:, None] & (e[None, :] < E),
         other=float("-inf"),
     ).to(tl.float32)
-    # the k picks: rank[t, e] = j if expert e is token t's (j+1)-th choice, else -1
+    # the k picks: rank[t, e] = j if expert e is token t's (j+1)-th choice, else -1; each pick
+    # is the largest expert not yet taken (NaN ranks highest, as in torch.topk; padding never),
+    # so the k ids are distinct real experts even when fewer than k logits are finite
+    key = tl.where(x != x, float("inf"), x)
+    real = e[None, :] < E
     rank = tl.full([ROWS, E_P], -1, tl.int32)
-    rest = x
     for j in tl.static_range(TOP_K):
-        m = tl.max(rest, axis=1)
-        idx = tl.min(tl.where(rest == m[:, None], e[None, :], E_P), axis=1)
-        pick = e[None, :] == idx[:, None]
-        rank = tl.where(pick, j, rank)
-        rest = tl.where(pick, float("-inf"), rest)
+        free = real & (rank < 0)
+        m = tl.max(tl.where(free, key, float("-inf")), axis=1)
+        idx = tl.min(tl.where(free & (key == m[:, None]), e[None, :], E_P), axis=1)
+        rank = tl.where(e[None, :] == idx[:, None], j, rank)
         tl.store(ids_ptr + t * TOP_K + j, idx.to(tl.int64), mask=tmask)
     chosen = rank >= 0
     top = tl.max(x, axis=1)

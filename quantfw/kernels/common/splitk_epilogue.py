@@ -11,6 +11,18 @@ import triton.language as tl
 
 
 @triton.jit
+def _arrive(cnt_ptr, n_split):
+    """After every thread of the CTA has written its partial: bump the tile's arrival counter
+    with an acquiring ticket; true in the last of ``n_split`` CTAs, which resets the counter."""
+    tl.debug_barrier()
+    ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
+    last = ticket == n_split - 1
+    if last:
+        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed")
+    return last
+
+
+@triton.jit
 def add_partial(acc, ws_ptr, offs, mask, cnt_ptr, n_split):
     """Add this CTA's partial sums ``acc`` into the fp32 workspace at ``offs`` and bump the
     tile's arrival counter ``cnt_ptr`` (one of ``n_split`` CTAs). Returns ``(last, sums)``: in
@@ -18,12 +30,9 @@ def add_partial(acc, ws_ptr, offs, mask, cnt_ptr, n_split):
     has written zeros back and reset the counter, so the buffers are clean for the next launch
     (or CUDA-graph replay)."""
     tl.atomic_add(ws_ptr + offs, acc, mask=mask, sem="relaxed")
-    tl.debug_barrier()
-    ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
-    last = ticket == n_split - 1
+    last = _arrive(cnt_ptr, n_split)
     sums = acc
     if last:
-        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed")
         # after the acquiring ticket every CTA's adds have landed in L2: read them past L1; an
         # element of the layout may live in several threads, so all read before any writes
         sums = tl.load(ws_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
@@ -40,12 +49,9 @@ def ordered_sum(acc, ws_ptr, n, mask, N, sp, cnt_ptr, SPLIT: tl.constexpr, SPLIT
     sums the SPLIT rows in one fixed order and writes zeros back. Returns ``(last, sums)`` as
     `add_partial` does. The workspace must hold ``SPLIT * N`` floats."""
     tl.store(ws_ptr + sp * N + n, acc, mask=mask)
-    tl.debug_barrier()
-    ticket = tl.atomic_add(cnt_ptr, 1, sem="acq_rel")
-    last = ticket == SPLIT - 1
+    last = _arrive(cnt_ptr, SPLIT)
     sums = acc
     if last:
-        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed")
         s = tl.arange(0, SPLIT_P)
         rows = ws_ptr + s[:, None] * N + n[None, :]
         rows_mask = (s < SPLIT)[:, None] & mask[None, :]

@@ -35,10 +35,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and weight.dtype == x.dtype
         and weight.stride(-1) == 1
         and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
+        and (bias is None or bias.shape == weight.shape[:1])
     ):
         cfg = gemv_config(*weight.shape)
-        if bias is not None and bias.shape != weight.shape[:1]:
-            cfg = None
         if cfg is not None and triton_available():
             from quantfw.kernels.dense.gemv import dense_gemv
 

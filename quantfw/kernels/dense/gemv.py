@@ -4,9 +4,9 @@ self-cleaning workspace (`common.splitk`), the last CTA of a column tile summing
 fixed order (the same bits every run: a replicated router gives every tensor-parallel rank the
 same experts), adding the bias and storing.
 
-cuBLAS reaches 1.06-1.1x the bandwidth floor on large decode GEMVs (an LM head, Qwen3-8B's
-gate_up) but 1.3-1.8x on the ~10-30 MB attention projections and ~6 us on a 32-expert router
-(`benchmarks/probe_dense_gemv.py`); `dense.ops.linear` sends the shapes it pays on here.
+On an H100 (2026-11-25) cuBLAS reaches 1.06-1.1x the bandwidth floor on large decode GEMVs
+(an LM head, Qwen3-8B's gate_up) but 1.2-1.8x on the ~10-30 MB attention projections and
+~6 us on a 32-expert router (`benchmarks/probe_dense_gemv.py`); `dense.ops.linear` sends the shapes it pays on here.
 """
 
 from __future__ import annotations

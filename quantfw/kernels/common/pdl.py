@@ -56,12 +56,26 @@ def launch_options(on: bool) -> dict:
 
 
 @triton.jit
+def triton_release(PDL: tl.constexpr):
+    """Triton: let the next kernel launch (a no-op without PDL)."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def triton_wait(PDL: tl.constexpr):
+    """Triton: wait until the previous kernel has finished and its writes are visible (a no-op
+    without PDL). Loads issued before it in program order stay before it."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
 def wait_and_release(PDL: tl.constexpr):
     """Triton: let the next kernel launch, then wait for the previous one (no-ops without
     PDL)."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    triton_release(PDL)
+    triton_wait(PDL)
 
 
 @gluon.jit

@@ -1,12 +1,16 @@
 """One-token matmul of a dense fp16/bf16 weight (``y = x @ W.T + b``, x one row) in one Triton
-launch: split-K over the whole GPU, each CTA's partial sums in its own row of the shared
-self-cleaning workspace (`common.splitk`), the last CTA of a column tile summing them in a
-fixed order (the same bits every run: a replicated router gives every tensor-parallel rank the
-same experts), adding the bias and storing.
+launch. A CTA takes ``BN`` output rows and a range of K, ``BK`` inputs a step: its first
+step's weights are loaded before the programmatic-dependent-launch wait (they overlap the end of
+the previous kernel), each later step's before the current one is multiplied, and products
+gather in a ``[BN, BK]`` float32 tile summed across K once, at the end. When K is split over
+several CTAs, each stores its partial sums in its own row of the shared self-cleaning workspace
+(`common.splitk`) and the last CTA of a column tile sums them in a fixed order (the same bits
+every run: a replicated router gives every tensor-parallel rank the same experts), adds the
+bias and stores.
 
-On an H100 (2026-11-25) cuBLAS reaches 1.06-1.1x the bandwidth floor on large decode GEMVs
-(an LM head, Qwen3-8B's gate_up) but 1.2-1.8x on the ~10-30 MB attention projections and
-~6 us on a 32-expert router (`benchmarks/probe_dense_gemv.py`); `dense.ops.linear` sends the shapes it pays on here.
+On an H100 (2026-11-25, `benchmarks/probe_dense_gemv.py`) it runs GPT-OSS-20B's and Qwen3-8B's
+one-token projections and LM heads at 0.95-1.25x their copy-bandwidth floor, 1.05-1.45x
+faster than cuBLAS.
 """
 
 from __future__ import annotations
@@ -38,26 +42,37 @@ def _dense_gemv_kernel(
     HAS_BIAS: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    pdl.wait_and_release(PDL)
+    pdl.triton_release(PDL)
     pid_n = tl.program_id(0)
     sp = tl.program_id(1)
     n = pid_n * BN + tl.arange(0, BN)
     nmask = n < N
     rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros([BN], tl.float32)
     k0 = sp * k_per_split
-    for k in range(k0, tl.minimum(k0 + k_per_split, K), BK):
+    k_end = tl.minimum(k0 + k_per_split, K)
+    # the first step's weights go out before the wait (no kernel writes them); each later
+    # step loads the next step's weights before multiplying this one's
+    kk = k0 + tl.arange(0, BK)
+    w = tl.load(rows + kk[None, :], mask=nmask[:, None] & (kk < K)[None, :], other=0.0,
+                eviction_policy="evict_first")  # fmt: skip
+    pdl.triton_wait(PDL)
+    acc = tl.zeros([BN, BK], tl.float32)  # summed across K once, after the loop
+    for k in range(k0 + BK, k_end, BK):
+        x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
         kk = k + tl.arange(0, BK)
-        kmask = kk < K
-        x = tl.load(x_ptr + kk, mask=kmask, other=0.0).to(tl.float32)
-        w = tl.load(rows + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        w_next = tl.load(rows + kk[None, :], mask=nmask[:, None] & (kk < K)[None, :], other=0.0,
+                         eviction_policy="evict_first")  # fmt: skip
+        acc += w.to(tl.float32) * x[None, :]
+        w = w_next
+    x = tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+    acc += w.to(tl.float32) * x[None, :]
+    sums = tl.sum(acc, axis=1)
     if SPLIT > 1:  # a reproducible sum: replicated layers (routers) agree across TP ranks
-        last, acc = ordered_sum(acc, ws_ptr, n, nmask, N, sp, cnt_ptr + pid_n, SPLIT, SPLIT_P)
+        last, sums = ordered_sum(sums, ws_ptr, n, nmask, N, sp, cnt_ptr + pid_n, SPLIT, SPLIT_P)
         if last:
-            _store(acc, bias_ptr, out_ptr, n, nmask, HAS_BIAS)
+            _store(sums, bias_ptr, out_ptr, n, nmask, HAS_BIAS)
     else:
-        _store(acc, bias_ptr, out_ptr, n, nmask, HAS_BIAS)
+        _store(sums, bias_ptr, out_ptr, n, nmask, HAS_BIAS)
 
 
 @triton.jit
@@ -72,10 +87,10 @@ def dense_gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
-    block_n: int = 32,
+    block_n: int = 4,
     block_k: int = 512,
-    ctas_per_sm: int = 4,
-    warps: int = 4,
+    ctas_per_sm: int = 8,
+    warps: int = 2,
 ) -> torch.Tensor:
     """``x [1, K] @ weight[N, K].T (+ bias)`` -> ``[1, N]`` in x's dtype (the weight's rows
     contiguous); the split along K fills ``ctas_per_sm`` CTAs of ``block_n`` columns per SM."""

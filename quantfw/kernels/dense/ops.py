@@ -1,33 +1,41 @@
-"""The entry point for unquantized linear layers and LM heads: ``F.linear``, or the one-token
-GEMV (`gemv.dense_gemv`, Triton) at the shapes where it beats cuBLAS."""
+"""The entry point for unquantized linear layers and LM heads: the one-token GEMV
+(`gemv.dense_gemv`, Triton) for a single fp16/bf16 token on a Hopper or newer GPU, ``F.linear``
+otherwise."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 
 from quantfw.kernels.common import triton_available
 
-#: one-token shapes the GEMV serves (H100, `benchmarks/probe_dense_gemv.py`, 2026-11-25): a
-#: router-sized output (cuBLAS ~6 us, this kernel ~2.3 us) and vocabulary-sized weights (an
-#: LM head, ~5% under cuBLAS); the attention and MLP projections stay with cuBLAS, which is
-#: within 10% of this kernel or faster there.
-SMALL_N = 1024
-LARGE_WEIGHT = 1 << 28  # elements
+#: the GEMV is measured on Hopper (H100); other GPUs keep cuBLAS
+MIN_CAPABILITY = (9, 0)
+
+#: weights of at least this many elements (an LM head, a large MLP projection) take two
+#: rows and 1024 inputs a step; smaller ones four rows and 512 (H100, 2026-11-25:
+#: `benchmarks/probe_dense_gemv.py`: on GPT-OSS-20B's and Qwen3-8B's shapes the fastest of
+#: eight configs or within 9% of it, and 1.05-1.45x faster than cuBLAS, 2.8x on a router)
+LARGE_WEIGHT = 1 << 26
 
 
-def gemv_config(N: int, K: int) -> dict | None:
-    """The `dense_gemv` options for a one-token ``[N, K]`` weight, or None for cuBLAS."""
-    if N <= SMALL_N:
-        return dict(block_n=16, block_k=256, ctas_per_sm=8)
+def gemv_config(N: int, K: int) -> dict:
+    """The `dense_gemv` options for a one-token ``[N, K]`` weight."""
     if N * K >= LARGE_WEIGHT:
-        return dict(block_n=8, block_k=512, ctas_per_sm=8)
-    return None
+        return dict(block_n=2, block_k=1024, ctas_per_sm=8, warps=4)
+    return dict(block_n=4, block_k=512, ctas_per_sm=8, warps=2)
+
+
+@functools.cache
+def _gemv_device(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= MIN_CAPABILITY and triton_available()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for an unquantized weight, through `dense_gemv` for one fp16/bf16 token on
-    CUDA at the shapes `gemv_config` names."""
+    """``F.linear`` for an unquantized weight, through `dense_gemv` (configured by
+    `gemv_config`) for one fp16/bf16 token on a CUDA GPU of compute capability 9.0 or newer."""
     if (
         x.is_cuda
         and x.dtype in (torch.float16, torch.bfloat16)
@@ -36,10 +44,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and weight.stride(-1) == 1
         and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
         and (bias is None or bias.shape == weight.shape[:1])
+        and _gemv_device(
+            x.device.index if x.device.index is not None else torch.cuda.current_device()
+        )
     ):
-        cfg = gemv_config(*weight.shape)
-        if cfg is not None and triton_available():
-            from quantfw.kernels.dense.gemv import dense_gemv
+        from quantfw.kernels.dense.gemv import dense_gemv
 
-            return dense_gemv(x.reshape(1, -1), weight, bias, **cfg).view(*x.shape[:-1], -1)
+        cfg = gemv_config(*weight.shape)
+        return dense_gemv(x.reshape(1, -1), weight, bias, **cfg).view(*x.shape[:-1], -1)
     return F.linear(x, weight, bias)

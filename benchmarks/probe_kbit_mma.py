@@ -50,6 +50,9 @@ CONFIGS = {
     "r8": dict(copies=8),
     "c1": dict(ctas_per_sm=1),
     "w8c2": dict(warps=8, ctas_per_sm=2),
+    # narrower CTAs, more of them: a smaller split along K at one token
+    "w2c6": dict(warps=2, ctas_per_sm=6),
+    "w1c12r8": dict(warps=1, ctas_per_sm=12, copies=8),
 }
 
 

@@ -108,7 +108,12 @@ def dense_gemv(
     split, n_iter = splitk.split_plan(
         triton.cdiv(K, block_k), tiles, splitk.num_sms(x.device), ctas_per_sm
     )
-    ws, cnt = splitk.workspace(x.device, split * N if split > 1 else 1, tiles)
+    # without a split the kernel touches neither buffer: take them as they are, ungrown
+    ws, cnt = (
+        splitk.workspace(x.device, split * N, tiles)
+        if split > 1
+        else splitk.workspace(x.device, 1, 1)
+    )
     _dense_gemv_kernel[(tiles, split)](
         x, weight, bias if bias is not None else out, out, ws, cnt, N, K, weight.stride(0),
         n_iter * block_k, BN=block_n, BK=block_k, SPLIT=split,

@@ -46,8 +46,9 @@ def test_gpu_dense_gemv_matches_reference(dtype):
 @pytest.mark.parametrize("split,pdl", [(1, False), (4, True)])
 def test_gemv_and_router_kernels_compile_for_sm90_without_a_gpu(split, pdl):
     """Ahead-of-time compiles through Triton's bundled ptxas (no GPU): the GEMV with and
-    without the split-K epilogue, and the one-launch router of `moe.triton_routing`, with and
-    without programmatic dependent launch."""
+    without the split-K epilogue (and in the two configs `ops.gemv_config` ships, 16-byte
+    aligned), and the one-launch router of `moe.triton_routing`, with and without
+    programmatic dependent launch."""
     pytest.importorskip("triton")
     from aot import compile_for_sm90
 
@@ -73,6 +74,21 @@ def test_gemv_and_router_kernels_compile_for_sm90_without_a_gpu(split, pdl):
         plain_load = r"ld\.global(\.v\d)?\.b"  # x's (and the bias's): no cache hint
         assert re.search(plain_load, ptx[:wait]) is None and re.search(plain_load, ptx[wait:])
     assert ("atom.global" in ptx or "red.global" in ptx) == (split > 1)
+    # the shipped configs, aligned as the JIT sees them: 16-byte weight loads, the first
+    # step's before the wait
+    aligned = ("x_ptr", "w_ptr", "bias_ptr", "out_ptr", "ws_ptr", "cnt_ptr", "K", "stride_wn",
+               "k_per_split")  # fmt: skip
+    for cfg in (ops.gemv_config(5120, 2880), ops.gemv_config(201088, 2880)):
+        consts = {"BN": cfg["block_n"], "BK": cfg["block_k"], "SPLIT": split, "SPLIT_P": split,
+                  "HAS_BIAS": True, "PDL": pdl}  # fmt: skip
+        kernel = compile_for_sm90(
+            _dense_gemv_kernel, signature, consts, aligned, num_warps=cfg["warps"], launch_pdl=pdl
+        )
+        ptx = kernel.asm["ptx"]
+        vector_loads = re.findall(r"ld\.global\.L1::evict_first\S*\.v4\.b32", ptx)
+        assert len(vector_loads) >= 2, cfg  # the first step and the loop's next step
+        if pdl:
+            assert ptx.index(vector_loads[0]) < ptx.index("griddepcontrol.wait")
     signature = {
         "logits_ptr": "*bf16", "weights_ptr": "*bf16", "ids_ptr": "*i64", "T": "i32", "E": "i32",
         "stride_t": "i32",

@@ -113,10 +113,14 @@ def gemv() -> None:
 
     g = torch.Generator().manual_seed(5)
     # N not a multiple of the column tile, K not of the K step, weight rows with a stride; the
-    # interpreter's "GPU" has 4 SMs, so the first three split K (5, 3 and 8 CTAs a tile)
+    # interpreter's "GPU" has 4 SMs, so the first three split K (5, 3 and 8 CTAs a tile), the
+    # next two split K with several steps a split (6 x 2, 4 x 3: the prefetch loop under
+    # split-K), the last runs 8 steps in one CTA
     for n, k, cfg in ((70, 300, dict(block_n=32, block_k=64)),
                       (40, 96, dict(block_n=16, block_k=32, ctas_per_sm=4)),
                       (33, 1000, dict(block_n=16, block_k=128, ctas_per_sm=8)),
+                      (5, 700, dict(block_n=4, block_k=64, ctas_per_sm=3)),
+                      (31, 5000, dict(block_n=4, block_k=512, ctas_per_sm=8)),
                       (33, 1000, dict(block_n=16, block_k=128, ctas_per_sm=1))):  # fmt: skip
         for bias in (True, False):
             w = torch.randn(n, k + 5, generator=g)[:, :k]  # a row stride past K

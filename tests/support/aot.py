@@ -7,11 +7,17 @@ from typing import Any
 
 
 def compile_for_sm90(
-    fn: Any, signature: dict[str, str], constexprs: dict[str, Any], **options: Any
+    fn: Any,
+    signature: dict[str, str],
+    constexprs: dict[str, Any],
+    aligned: tuple[str, ...] = (),
+    **options: Any,
 ) -> Any:
     """The compiled kernel of `fn` (a Triton or Gluon JIT function) for sm_90: `signature`
     gives each runtime argument's type, `constexprs` the values of the constexpr ones (marked
-    "constexpr" in the signature here), `options` Triton's (num_warps, launch_pdl, ...)."""
+    "constexpr" in the signature here), `aligned` the arguments to compile as multiples of 16
+    (pointers 16-byte aligned, as the JIT specialises them), `options` Triton's (num_warps,
+    launch_pdl, ...)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -20,5 +26,6 @@ def compile_for_sm90(
     sig = {**signature, **{name: "constexpr" for name in constexprs}}
     values = {(fn.arg_names.index(name),): v for name, v in constexprs.items()}
     source = GluonASTSource if isinstance(fn, GluonJITFunction) else ASTSource
-    src = source(fn=fn, signature=sig, constexprs=values)
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
+    src = source(fn=fn, signature=sig, constexprs=values, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)

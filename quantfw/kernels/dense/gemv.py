@@ -48,6 +48,8 @@ def _dense_gemv_kernel(
     n = pid_n * BN + tl.arange(0, BN)
     nmask = n < N
     rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    # k_per_split is a multiple of BK, so the splits' steps never overlap and masking at K
+    # (not at k_end) is exact
     k0 = sp * k_per_split
     k_end = tl.minimum(k0 + k_per_split, K)
     # the first step's weights go out before the wait (no kernel writes them); each later

@@ -1,6 +1,12 @@
 """The entry point for unquantized linear layers and LM heads: the one-token GEMV
-(`gemv.dense_gemv`, Triton) for a single fp16/bf16 token on a Hopper or newer GPU, ``F.linear``
-otherwise."""
+(`gemv.dense_gemv`, Triton) for a single fp16/bf16 token on a Hopper GPU, ``F.linear``
+otherwise.
+
+The GEMV reads its first weights before its programmatic-dependent-launch wait, so a weight
+passed here must not be written by a kernel of the same stream launched with PDL (model
+parameters are not). One token and several tokens take different kernels, so a sequence's
+logits can differ in the last bits with the batch it decodes in (as with cuBLAS's own choice
+of kernel by shape)."""
 
 from __future__ import annotations
 
@@ -11,8 +17,8 @@ import torch.nn.functional as F
 
 from quantfw.kernels.common import triton_available
 
-#: the GEMV is measured on Hopper (H100); other GPUs keep cuBLAS
-MIN_CAPABILITY = (9, 0)
+#: compute capabilities the GEMV serves: measured on Hopper (H100); other GPUs keep cuBLAS
+CAPABILITIES = ((9, 0),)
 
 #: weights of at least this many elements (an LM head, a large MLP projection) take two
 #: rows and 1024 inputs a step; smaller ones four rows and 512 (H100, 2026-11-25:
@@ -30,17 +36,19 @@ def gemv_config(N: int, K: int) -> dict:
 
 @functools.cache
 def _gemv_device(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= MIN_CAPABILITY and triton_available()
+    return torch.cuda.get_device_capability(index) in CAPABILITIES and triton_available()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` for an unquantized weight, through `dense_gemv` (configured by
-    `gemv_config`) for one fp16/bf16 token on a CUDA GPU of compute capability 9.0 or newer."""
+    `gemv_config`) for one fp16/bf16 token on a Hopper GPU."""
     if (
         x.is_cuda
         and x.dtype in (torch.float16, torch.bfloat16)
         and x.numel() == x.shape[-1]
         and weight.dtype == x.dtype
+        and weight.device == x.device
+        and weight.numel() > 0
         and weight.stride(-1) == 1
         and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
         and (bias is None or bias.shape == weight.shape[:1])

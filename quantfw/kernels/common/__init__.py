@@ -1,6 +1,7 @@
 """What every kernel family shares: tuned config tables per GPU model (``tables``; pure Python),
 the rotated-weight CUDA-graph timer used by tuning and the benchmarks (``timing``), split-K
-workspaces (``splitk``), and whether Triton is installed (`triton_available`)."""
+workspaces (``splitk``), whether Triton is installed (`triton_available`), and a CUDA device's
+compute capability (`cuda_capability`, cached per device)."""
 
 from __future__ import annotations
 
@@ -15,3 +16,20 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    import torch
+
+    return torch.cuda.get_device_capability(index)
+
+
+def cuda_capability(device) -> tuple[int, int]:
+    """(major, minor) of a CUDA ``torch.device`` (a bare "cuda": the current one), looked up
+    once per device."""
+    if device.index is not None:
+        return _capability(device.index)
+    import torch
+
+    return _capability(torch.cuda.current_device())

@@ -25,8 +25,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from quantfw.kernels.common import cuda_capability
+
 _OVERRIDE: list[bool | None] = [None]
-_CAPABLE: dict[int, bool] = {}
 
 
 def set_enabled(flag: bool | None) -> None:
@@ -43,10 +44,7 @@ def enabled(device: torch.device) -> bool:
         flag = os.environ.get("QUANTFW_PDL", "1") not in ("0", "false", "off")
     if not flag or device.type != "cuda":
         return False
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _CAPABLE:
-        _CAPABLE[idx] = torch.cuda.get_device_capability(idx) >= (9, 0)
-    return _CAPABLE[idx]
+    return cuda_capability(device) >= (9, 0)
 
 
 def launch_options(on: bool) -> dict:

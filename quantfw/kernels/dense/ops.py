@@ -10,12 +10,10 @@ of kernel by shape)."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
-from quantfw.kernels.common import triton_available
+from quantfw.kernels.common import cuda_capability, triton_available
 
 #: compute capabilities the GEMV serves: measured on Hopper (H100); other GPUs keep cuBLAS
 CAPABILITIES = ((9, 0),)
@@ -34,11 +32,6 @@ def gemv_config(N: int, K: int) -> dict:
     return dict(block_n=4, block_k=512, ctas_per_sm=8, warps=2)
 
 
-@functools.cache
-def _gemv_device(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) in CAPABILITIES and triton_available()
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` for an unquantized weight, through `dense_gemv` (configured by
     `gemv_config`) for one fp16/bf16 token on a Hopper GPU."""
@@ -52,9 +45,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and weight.stride(-1) == 1
         and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
         and (bias is None or bias.shape == weight.shape[:1])
-        and _gemv_device(
-            x.device.index if x.device.index is not None else torch.cuda.current_device()
-        )
+        and cuda_capability(x.device) in CAPABILITIES
+        and triton_available()
     ):
         from quantfw.kernels.dense.gemv import dense_gemv
 

@@ -104,6 +104,30 @@ def test_method_table():
     assert BenchSettings(prompt_len=100).model_len(40960) == 4096
 
 
+def test_mxfp4_keeps_the_checkpoints_unquantized_modules(tmp_path):
+    """Benched as mxfp4, GPT-OSS keeps what its checkpoint leaves unquantized (attention,
+    router, embedding, LM head): the method's quantization_config goes over the model's own."""
+    config, _ = read_hf_config("gpt-oss-20b")
+    mxfp4 = method_table()["mxfp4"]
+    written = mxfp4.checkpoint_config_for(config)
+    assert written == config["quantization_config"]
+    assert "model.layers.*.self_attn" in written["modules_to_not_convert"]
+    assert mxfp4.checkpoint_config_for({"architectures": ["X"]}) == {"quant_method": "mxfp4"}
+    other = {"quantization_config": {"quant_method": "awq", "modules_to_not_convert": ["x"]}}
+    assert mxfp4.checkpoint_config_for(other) == {"quant_method": "mxfp4"}
+    assert method_table()["fp16"].checkpoint_config_for(config) is None
+    small = {**config, "num_hidden_layers": 2, "layer_types": config["layer_types"][:2]}
+    small.update(vocab_size=512, hidden_size=256, intermediate_size=256, num_local_experts=4)
+    small.update(num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    small.update(num_experts_per_tok=2, pad_token_id=None, eos_token_id=None)
+    folder = write_config_folder(small, str(tmp_path / "g"), written)
+    model = quantfw.load_model(folder, load_format="dummy", dtype=torch.bfloat16)
+    attn = model.model.layers[0].self_attn
+    assert [p.dtype for p in attn.parameters() if p.dim() == 2] == [torch.bfloat16] * 2
+    experts = dict(model.model.layers[0].mlp.experts.named_parameters())
+    assert experts["w13_blocks"].dtype == torch.uint8
+
+
 def test_a_moe_decode_step_reads_the_routed_experts(tmp_path):
     """The decode floor of a MoE model counts the experts a step routes to, not all of them."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "support"))

@@ -22,6 +22,18 @@ class BenchMethod:
     #: given to the engine for a method that quantizes at load time
     quantization_args: dict[str, Any] | None = field(default=None)
 
+    def checkpoint_config_for(self, model_config: dict[str, Any]) -> dict[str, Any] | None:
+        """The quantization_config to write for a model whose config.json is `model_config`:
+        this method's, over the model's own when that names the same method, so a checkpoint's
+        other settings stay as its users get them (GPT-OSS keeps attention, router, embedding
+        and LM head unquantized through ``modules_to_not_convert``)."""
+        if self.checkpoint_config is None:
+            return None
+        own = model_config.get("quantization_config")
+        if isinstance(own, dict) and own.get("quant_method") == self.quant_method:
+            return {**own, **self.checkpoint_config}
+        return dict(self.checkpoint_config)
+
     def engine_kwargs(self) -> dict[str, Any]:
         """The LLMEngine arguments that select this method (beyond the config folder)."""
         if self.quantization_args is None:

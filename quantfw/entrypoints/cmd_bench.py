@@ -167,9 +167,8 @@ def _measure_all(
                 say(f"{method.name}: skipped: {reason}")
                 continue
             say(f"{method.name}: building {label} with dummy weights ...")
-            folder = write_config_folder(
-                config, os.path.join(tmp, method.name), method.checkpoint_config
-            )
+            checkpoint_config = method.checkpoint_config_for(config)
+            folder = write_config_folder(config, os.path.join(tmp, method.name), checkpoint_config)
             try:
                 measured = measure_method(folder, method, settings, bandwidth=bandwidth)
             except Exception as e:  # one method failing (OOM, a kernel) must not lose the others
@@ -181,7 +180,7 @@ def _measure_all(
             if measured is not None:
                 results[method.name] = {
                     "status": "ok",
-                    "quantization_config": method.checkpoint_config,
+                    "quantization_config": checkpoint_config,
                     "quantization_args": method.quantization_args,
                     **measured,
                 }

@@ -226,12 +226,13 @@ _MMA_SIGNATURE = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("bits,tm,copies,mxfp4", [(4, 8, 32, False), (2, 16, 1, False),
-                                                 (3, 8, 32, False), (5, 16, 8, False),
-                                                 (4, 8, 32, True), (4, 16, 16, True)])  # fmt: skip
-def test_mma_kernel_compiles_for_sm90_without_a_gpu(bits, tm, copies, mxfp4):
+@pytest.mark.parametrize("bits,tm,copies,mxfp4,wk", [(4, 8, 32, False, 4), (2, 16, 1, False, 4),
+                                                    (3, 8, 32, False, 1), (5, 16, 8, False, 2),
+                                                    (4, 8, 32, True, 4), (4, 16, 16, True, 1)])  # fmt: skip
+def test_mma_kernel_compiles_for_sm90_without_a_gpu(bits, tm, copies, mxfp4, wk):
     """The Gluon kernel (inline PTX, which no interpreter runs) through Triton's bundled
-    ptxas: its table is the only shared-memory allocation, so it starts at ``global_smem``.
+    ptxas: its table is the largest shared-memory allocation (``wk`` > 1: padded to the size
+    of the warps' partial sums, which reuse it after the loop), so it starts at ``global_smem``.
     ``mxfp4``: the grouped variant with UE8M0 scales and the token gather. With PDL
     (`common.pdl`) it lets the next kernel launch first thing; a dense launch loads its first
     weights and scales and fills its table before its wait, a grouped one waits before its
@@ -243,11 +244,12 @@ def test_mma_kernel_compiles_for_sm90_without_a_gpu(bits, tm, copies, mxfp4):
 
     consts = dict(W=4, CH=4, TM=tm, SPLIT=2, COPIES=copies, BITS=bits, PIPE=False,
                   MASK_N=True, MASK_K=True, HAS_BIAS=True, IS_BF16=bits == 2,
-                  UE8M0=mxfp4, GROUPED=mxfp4, GATHER=mxfp4, PDL=True)  # fmt: skip
+                  UE8M0=mxfp4, GROUPED=mxfp4, GATHER=mxfp4, PDL=True, WK=wk)  # fmt: skip
     kernel = compile_for_sm90(KM.kbit_mma_kernel, _MMA_SIGNATURE, consts, num_warps=4,
                               launch_pdl=True)  # fmt: skip
     entries = {2: 256, 3: 64, 4: 256, 5: 1024}[bits]
-    assert kernel.metadata.shared == entries * copies * (2 if bits == 2 else 1) * 4
+    sums = 4 * (tm // 8) * 4 * 512 if wk > 1 else 0  # [accumulators x warps, 32, 4] fp32
+    assert kernel.metadata.shared == max(entries * copies * (2 if bits == 2 else 1) * 4, sums)
     ptx = kernel.asm["ptx"]
     assert "mma.sync.aligned.m16n8k16" in ptx and "ld.shared" in ptx
     # the table's stores: every shared store before the first barrier addresses global_smem
@@ -261,6 +263,36 @@ def test_mma_kernel_compiles_for_sm90_without_a_gpu(bits, tm, copies, mxfp4):
     else:  # 8 weight (16 at K = 3, 5) and 2 scale loads per 4 blocks, the table, the wait
         assert ptx.index("bar.sync") < wait
         assert len(re.findall(r"\bld\.global", ptx[:wait])) >= (18 if bits % 2 else 10)
+
+
+@pytest.mark.parametrize("blocks,kbp,tiles,warps,wk,chunk", [(384, 128, 1, 4, 4, 4),
+                                                           (64, 384, 1, 4, 4, 4),
+                                                           (96, 128, 2, 4, 2, 8),
+                                                           (45, 92, 4, 4, 1, 4),
+                                                           (7, 36, 1, 2, 2, 4)])  # fmt: skip
+def test_mma_plan_covers_every_chunk_once(blocks, kbp, tiles, warps, wk, chunk):
+    """`mma.plan`: warp ``ks`` of CTA ``sp`` at iteration ``it`` takes chunk ``(it * split +
+    sp) * wk + ks`` (as the kernel's ``b0`` and ``b_next``): every chunk of K once, the rest
+    past K (masked), and the grid within the CTAs the split was planned for."""
+    pytest.importorskip("triton")
+    from quantfw.kernels.kbit.triton import mma as KM
+
+    sms, ctas_per_sm = 132, 3
+    wb, split, n_iter = KM.plan(blocks, kbp, tiles, sms, warps, wk, chunk, ctas_per_sm)
+    assert wb == warps // wk
+    chunks = [
+        (it * split + sp) * wk + ks
+        for it in range(n_iter)
+        for sp in range(split)
+        for ks in range(wk)
+    ]
+    real = -(-kbp // chunk)
+    assert sorted(c for c in chunks if c < real) == list(range(real))
+    assert len(chunks) - real < (n_iter + 1) * wk  # split = ceil(rounds / n_iter): a short tail
+    grid = -(-blocks // wb) * tiles * split
+    assert grid <= max(sms * ctas_per_sm, -(-blocks // wb) * tiles)
+    with pytest.raises(ValueError, match="wk=3 must divide warps=4"):
+        KM.plan(blocks, kbp, tiles, sms, 4, 3, chunk, ctas_per_sm)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5])

@@ -26,14 +26,16 @@ A table entry (a byte at K = 2, 4; 10 or 6 bits at K = 5, 3) is decoded by one l
 table in shared memory (``lut``: per entry the 2 (K = 3, 4, 5) or 4 (K = 2) levels it
 encodes, times 16, in x's dtype, packed as the registers want them), kept in ``R`` copies
 (copy ``lane % R``) against bank conflicts.  The table lives at the
-start of the CTA's shared memory (``global_smem``), the kernel's only allocation; the inline PTX
-addresses it directly.
+start of the CTA's shared memory (``global_smem``), the kernel's largest allocation; the inline
+PTX addresses it directly.
 
 Each block's two mma steps go into a fresh fp32 sum that is folded into the accumulator with
 the block's scale: E4M4 ``e m`` shifted left by 6 is the fp16 ``absmax / 16`` exactly
 (subnormals included), hence the table's factor 16; UE8M0 ``e`` shifted left by 23 is the fp32
-``2**(e - 127)`` (table factor 1).  Split-K partials meet in the W4A16 kernel's self-cleaning
-workspace.
+``2**(e - 127)`` (table factor 1).  The ``WK`` warps of a CTA that share a 64-column block
+take turns over its chunks and add their sums in shared memory after the loop (the W4A16
+kernel's ``_sum_k_slices``, over the table's bytes); a split across CTAs meets in the W4A16
+kernel's self-cleaning workspace.
 
 MXFP4 blocks are kbit K = 4 blocks byte for byte (16 bytes, element 2i in the low nibble of
 byte i), so `mxfp4.layout` only pads and quad-interleaves them, and the table holds the E2M1
@@ -56,6 +58,8 @@ from quantfw.kernels.kbit.layout import _as_int32
 from quantfw.kernels.moe.sort import BlockPlan
 from quantfw.kernels.w4a16.triton.mma import (
     _mma,
+    _reduced_tok_n,
+    _sum_k_slices,
     _tile_coords,
     _workspace,
     _zeros,
@@ -285,14 +289,14 @@ def kbit_mma_kernel(
     stride_qe,  # GROUPED: per expert, in int32 units (q, s) and elements (bias)
     stride_se,
     stride_be,
-    W: gl.constexpr,  # warps per CTA, one 64-column block each
+    W: gl.constexpr,  # warps per CTA, each on one 64-column block
     CH: gl.constexpr,  # blocks per chunk (a multiple of 4)
     TM: gl.constexpr,  # tokens per CTA tile: 8 or 16
     SPLIT: gl.constexpr,  # CTAs per output tile along K
     COPIES: gl.constexpr,  # copies of the table in shared memory (lane % COPIES reads its own)
     BITS: gl.constexpr,  # 2 or 4
     PIPE: gl.constexpr,  # prefetch the next chunk while computing this one
-    MASK_N: gl.constexpr,  # NB is not a multiple of W
+    MASK_N: gl.constexpr,  # NB is not a multiple of W // WK
     MASK_K: gl.constexpr,  # the chunks overrun KBP
     HAS_BIAS: gl.constexpr,
     IS_BF16: gl.constexpr,
@@ -300,6 +304,7 @@ def kbit_mma_kernel(
     GROUPED: gl.constexpr = False,  # token tiles are the row blocks of a grouped GEMM
     GATHER: gl.constexpr = False,
     PDL: gl.constexpr = False,  # programmatic dependent launch (`common.pdl`)
+    WK: gl.constexpr = 1,  # warps per 64-column block, splitting its chunks (summed in the CTA)
 ):
     L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [W, 1, 1], [2, 1, 0])
     EW: gl.constexpr = 2 if BITS == 2 else 1  # table words per entry
@@ -322,7 +327,10 @@ def kbit_mma_kernel(
         row0 = mt * TM
         rows = M - row0
 
-    nb, l3, r3, g, c, w3 = _tile_coords(W, W, L3)
+    WB: gl.constexpr = W // WK  # column blocks per CTA
+    nb, l3, r3, g, c, w3 = _tile_coords(W, WB, L3)
+    # the warp's first chunk: chunk (it * SPLIT + sp) * WK + its k slice at iteration it
+    b0 = (sp * WK + w3 // WB) * CH
     if MASK_N:
         nb_ok = nb < NB
     else:
@@ -357,30 +365,38 @@ def kbit_mma_kernel(
     # the first chunk's loads go out before the table is built; with PDL x waits for the
     # previous kernel to finish, after the table
     ws, ss = _load_weights(
-        q_ptr, s_ptr, sp * CH, q_off, h_off, c, s_off, nb_ok, KBP, KBS, CH, BITS, MASK_K
+        q_ptr, s_ptr, b0, q_off, h_off, c, s_off, nb_ok, KBP, KBS, CH, BITS, MASK_K
     )
     if not PDL:
-        xs = _load_x(x_ptr, sp * CH, x_off, x_pair, K2, CH, TM)
+        xs = _load_x(x_ptr, b0, x_off, x_pair, K2, CH, TM)
     # the table, COPIES times: word (e COPIES + copy) EW + i = lut[e, i]; consecutive lanes
-    # store consecutive copies (no bank conflicts)
+    # store consecutive copies (no bank conflicts). With WK > 1 the warps' partial sums reuse
+    # its bytes after the loop (`_sum_k_slices`): zero rows pad it to their size, so that the
+    # table stays the largest allocation and starts at global_smem.
+    SUMS: gl.constexpr = 4 * (TM // 8) * W * 128 // (COPIES * EW) if WK > 1 else 0
+    ROWS: gl.constexpr = NE if SUMS <= NE else SUMS
     LF: gl.constexpr = gl.BlockedLayout([1, 1, EW], [32 // COPIES, COPIES, 1], [W, 1, 1], [2, 1, 0])
-    le = gl.arange(0, NE, layout=gl.SliceLayout(1, gl.SliceLayout(1, LF)))
+    le = gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(1, LF)))
     li = gl.arange(0, EW, layout=gl.SliceLayout(0, gl.SliceLayout(1, LF)))
-    lut2 = gl.load(lut_ptr + gl.expand_dims(le, 1) * EW + gl.expand_dims(li, 0))
-    lut3 = gl.expand_dims(lut2, 1) + gl.zeros([NE, COPIES, EW], gl.int32, LF)
+    lut_at = gl.expand_dims(le, 1) * EW + gl.expand_dims(li, 0)
+    if ROWS == NE:
+        lut2 = gl.load(lut_ptr + lut_at)
+    else:
+        lut2 = gl.load(lut_ptr + lut_at, mask=lut_at < NE * EW, other=0)
+    lut3 = gl.expand_dims(lut2, 1) + gl.zeros([ROWS, COPIES, EW], gl.int32, LF)
     table = gl.allocate_shared_memory(
-        gl.int32, [NE, COPIES, EW], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
+        gl.int32, [ROWS, COPIES, EW], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
     )
     table.store(lut3)
     gl.thread_barrier()
     if PDL:
         if not GROUPED:
             x_off += pdl.wait(PDL)
-        xs = _load_x(x_ptr, sp * CH, x_off, x_pair, K2, CH, TM)
+        xs = _load_x(x_ptr, b0, x_off, x_pair, K2, CH, TM)
 
     accs = _zeros(4 * (TM // 8), W, L3)
     for it in range(n_iter - 1):  # the last chunk after the loop: no loads past the plan
-        b_next = ((it + 1) * SPLIT + sp) * CH
+        b_next = b0 + (it + 1) * SPLIT * WK * CH
         if PIPE:  # the next chunk's loads before this chunk's math
             nws, nxs, nss = _load_chunk(
                 q_ptr, x_ptr, s_ptr, b_next, q_off, h_off, c, x_off, x_pair, s_off, nb_ok,
@@ -399,9 +415,17 @@ def kbit_mma_kernel(
     accs = _chunk(ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16, UE8M0)
 
     tok, n = fragment_tok_n(c, g, r3, nb)
+    if WK > 1:  # the WK warps of a block summed different chunks: add them up (`_sum_k_slices`)
+        gl.thread_barrier()  # every warp's last lookup is done before shared memory is reused
+        WE: gl.constexpr = 4 if W >= 4 else W
+        LR: gl.constexpr = gl.BlockedLayout(
+            [1, WK, 1, 1], [1, 1, 1, 32], [W // WE, 1, 1, WE], [3, 2, 1, 0]
+        )
+        accs = (_sum_k_slices(accs, W, WK, TM, LR),)
+        tok, n = _reduced_tok_n(WB, TM, gl.SliceLayout(1, LR))
     epilogue_rows(
         accs, out_ptr, ws_ptr, cnt_ptr, bias_ptr, mt, row0, rows, tok, n, N, NB, stride_om,
-        TM, SPLIT, HAS_BIAS,
+        TM, SPLIT, HAS_BIAS, WK == 1,
     )  # fmt: skip
 
 
@@ -445,24 +469,51 @@ def _check_options(bits: int, chunk: int, copies: int) -> None:
         raise ValueError(f"kbit mma kernel: copies={copies} must be a power of two <= 32")
 
 
+def plan(
+    blocks: int,
+    kbp: int,
+    token_tiles: int,
+    sms: int,
+    warps: int,
+    wk: int,
+    chunk: int,
+    ctas_per_sm: int,
+) -> tuple[int, int, int]:
+    """(column blocks per CTA, CTAs per tile along K, chunks per warp) for ``blocks`` 64-column
+    blocks of ``kbp`` 32-blocks along K: a CTA's ``warps`` cover ``warps // wk`` blocks, ``wk``
+    warps a block; warp ``ks`` of CTA ``sp`` takes chunks ``(it * split + sp) * wk + ks``, and
+    the split fills ``ctas_per_sm * sms`` CTAs for ``token_tiles`` tiles."""
+    if wk not in (1, 2, 4, 8) or warps % wk:
+        raise ValueError(f"kbit mma kernel: wk={wk} must divide warps={warps}")
+    wb = warps // wk
+    tiles = triton.cdiv(blocks, wb) * token_tiles
+    steps = triton.cdiv(triton.cdiv(kbp, chunk), wk)  # rounds of wk chunks
+    split, n_iter = splitk.split_plan(steps, tiles, sms, ctas_per_sm)
+    return wb, split, n_iter
+
+
 def _launch(
     x2, qweight, scales, lut, out, N, bits, bias, tm, token_tiles, *, group=None, ue8m0=False,
     planned_tiles=None, warps=4, chunk=4, ctas_per_sm=4, copies=1, pipe=False, maxnreg=None,
+    wk=None,
 ):  # fmt: skip
     """One launch of `kbit_mma_kernel` over ``token_tiles`` tiles of ``tm`` tokens (the split
     along K planned for ``planned_tiles`` of them, default all); ``group``: (block_expert,
     block_row, m_indptr, gather or None) of a grouped GEMM over the leading (expert) dim of
-    qweight / scales / bias."""
+    qweight / scales / bias; ``wk``: warps per 64-column block, splitting its chunks (None: all
+    of the CTA's, so the CTA covers one block and a split across CTAs is ``wk`` times smaller
+    or gone; faster on every measured shape, benchmarks/kbit-lab-log.md §13)."""
     _check_options(bits, chunk, copies)
     K = x2.shape[1]
     n_pad, kbp = qweight.shape[-2], qweight.shape[-1] // bits
     NB = n_pad // 64
-    tiles = triton.cdiv(NB, warps) * token_tiles
-    planned = triton.cdiv(NB, warps) * max(1, planned_tiles or token_tiles)
-    split, n_iter = splitk.split_plan(
-        triton.cdiv(kbp, chunk), planned, splitk.num_sms(x2.device), ctas_per_sm
+    wk = warps if wk is None else wk
+    planned = max(1, planned_tiles or token_tiles)
+    wb, split, n_iter = plan(
+        NB, kbp, planned, splitk.num_sms(x2.device), warps, wk, chunk, ctas_per_sm
     )
-    grid = (triton.cdiv(NB, warps), token_tiles, split)
+    tiles = triton.cdiv(NB, wb) * token_tiles
+    grid = (triton.cdiv(NB, wb), token_tiles, split)
     ws, cnt = _workspace(x2.device, token_tiles * tm * n_pad if split > 1 else 1, tiles)
     grouped = group is not None
     block_expert, block_row, m_indptr, gather = group if grouped else (out, out, out, None)
@@ -476,7 +527,7 @@ def _launch(
         qweight.stride(0) if grouped else 0, sw.stride(0) if grouped else 0,
         bias.stride(0) if grouped and has_bias else 0,
         W=warps, CH=chunk, TM=tm, SPLIT=split, COPIES=copies, BITS=bits, PIPE=pipe,
-        MASK_N=NB % warps != 0, MASK_K=split * n_iter * chunk != kbp,
+        MASK_N=NB % wb != 0, MASK_K=split * n_iter * wk * chunk != kbp, WK=wk,
         HAS_BIAS=has_bias, IS_BF16=x2.dtype == torch.bfloat16, UE8M0=ue8m0,
         GROUPED=grouped, GATHER=gather is not None, num_warps=warps,
         **pdl.launch_options(pdl.enabled(x2.device)),
@@ -499,20 +550,22 @@ def kbit_mma_matmul(
     copies: int = 1,
     pipe: bool = False,
     maxnreg: int | None = None,
+    wk: int | None = None,
 ) -> torch.Tensor:
     """out[M, N] = x2[M, K] @ W.T (+ bias) for a field-packed weight (``qweight``, ``scales``
     of `layout.KbitWeight`) and its `lookup_table` ``lut`` in x's dtype; x2 fp16/bf16 on CUDA.
 
     ``chunk`` blocks of 32 per K step (a multiple of 4), ``copies`` of the table in shared
     memory (1..32, a power of two), ``warps`` 64-column blocks per CTA, ``maxnreg`` a cap on
-    registers per thread (None: the compiler's choice)."""
+    registers per thread (None: the compiler's choice), ``wk`` warps per 64-column block
+    splitting its chunks (None: all ``warps``; see `_launch`)."""
     x2 = as_int32_pairs(x2)
     M = x2.shape[0]
     tm = 8 if M <= 8 else 16
     out = torch.empty(M, N, device=x2.device, dtype=x2.dtype)
     return _launch(
         x2, qweight, scales, lut, out, N, bits, bias, tm, triton.cdiv(M, tm), warps=warps,
-        chunk=chunk, ctas_per_sm=ctas_per_sm, copies=copies, pipe=pipe, maxnreg=maxnreg,
+        chunk=chunk, ctas_per_sm=ctas_per_sm, copies=copies, pipe=pipe, maxnreg=maxnreg, wk=wk,
     )  # fmt: skip
 
 

@@ -212,6 +212,8 @@ def test_bench_command_on_a_tiny_config(tmp_path, capsys):
     assert report["command"].startswith("quantfw bench tiny-llama --methods fp16,awq,gptq,kbit4")
     assert report["tensor_parallel_size"] == 1 and report["copy_bandwidth_gb_s"] > 0
     assert "prefill ms" in printed and "batch 3 [% of floor]" in printed
+    awq = json.dumps(report["methods"]["awq"]["quantization_config"], sort_keys=True)
+    assert f"awq: quantization_config {awq}" in printed and '"quant_method": "awq"' in awq
     stems = {os.path.splitext(p)[0] for p in os.listdir(out)}
     assert len(stems) == 1 and next(iter(stems)).startswith("bench-tiny-llama-CPU")
     markdown = Path(out, next(iter(stems)) + ".md").read_text()

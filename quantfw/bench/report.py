@@ -121,6 +121,9 @@ def format_report(report: dict[str, Any]) -> str:
             )
         )
     for name, m in report["methods"].items():
+        if m.get("quantization_config"):  # what the model was built with, kept modules included
+            config = json.dumps(m["quantization_config"], sort_keys=True)
+            notes.append(f"{name}: quantization_config {config}")
         if m.get("uncounted_weight_layers"):
             notes.append(
                 f"{name}: WARNING: {m['uncounted_weight_layers']} quantized layers keep their "

@@ -53,10 +53,9 @@ CONFIGS = {
     # narrower CTAs, more of them: a smaller split along K at one token
     "w2c6": dict(warps=2, ctas_per_sm=6),
     "w1c12r8": dict(warps=1, ctas_per_sm=12, copies=8),
-    # a block per warp (the split along K across CTAs only), or the 4 warps of a CTA on one
-    # column block, its chunks split among them (the default)
+    # a block per warp, the split along K across CTAs only (the default "c3" puts the 4 warps
+    # of a CTA on one column block, its chunks split among them)
     "c3wk1": dict(ctas_per_sm=3, wk=1),
-    "c3wk4": dict(ctas_per_sm=3, wk=4),
 }
 
 
@@ -113,7 +112,7 @@ def main():
             dict(copies=4, pipe=True, chunk=8),
             dict(copies=4, pipe=True, maxnreg=128),
             dict(wk=2),
-            dict(wk=4, ctas_per_sm=3),
+            dict(wk=1),
             dict(wk=4, chunk=8),
         ):
             cases.append((640, 2080, bits, 5, torch.float16, cfg, True))

@@ -43,8 +43,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         and weight.device == x.device
         and weight.numel() > 0
         and weight.stride(-1) == 1
-        and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
-        and (bias is None or bias.shape == weight.shape[:1])
+        and (
+            bias is None
+            or (bias.dtype == x.dtype and bias.is_contiguous() and bias.shape == weight.shape[:1])
+        )
         and cuda_capability(x.device) in CAPABILITIES
         and triton_available()
     ):

@@ -126,11 +126,35 @@ class ColumnParallelLinear(LinearBase):
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column layers fused along the output (e.g. gate_proj + up_proj)."""
+    """Several column layers fused along the output (e.g. gate_proj + up_proj). ``gated``:
+    the two parts are the gate and up of a gated activation, which `forward_gated` applies
+    (and a quantization method may fuse into its GEMM)."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], *, bias: bool = True, **kw):
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        *,
+        bias: bool = True,
+        gated: bool = False,
+        **kw,
+    ):
         self.output_sizes = list(output_sizes)
+        if gated and (len(output_sizes) != 2 or output_sizes[0] != output_sizes[1]):
+            raise ValueError(
+                f"layer {kw.get('prefix', '')}: a gated pair has two equal output sizes "
+                f"(gate, up), got {list(output_sizes)}"
+            )
+        self.gated = gated
         super().__init__(input_size, sum(output_sizes), bias=bias, output_sizes=output_sizes, **kw)
+        if gated and self.gather_output:
+            raise ValueError(f"layer {self.prefix}: a gated pair cannot gather its output")
+
+    def forward_gated(self, x: torch.Tensor, act: nn.Module) -> torch.Tensor:
+        """``act(self(x))`` for a gated pair: [..., output_size / 2 per rank]."""
+        if not self.gated:
+            raise ValueError(f"layer {self.prefix}: forward_gated needs gated=True")
+        return self.quant_method.apply_gated(self, x, self.bias, act)
 
     def _slices(self) -> list[tuple[int, int, int, int]]:
         """(logical offset in this rank's param, logical size, shard index, number of shards)

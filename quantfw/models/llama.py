@@ -41,6 +41,7 @@ class LlamaMLP(nn.Module):
             hidden_size,
             [intermediate_size, intermediate_size],
             bias=bias,
+            gated=True,
             quant_config=quant_config,
             prefix=_join(prefix, "gate_up_proj"),
         )
@@ -54,7 +55,7 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.forward_gated(x, self.act_fn))
 
 
 class LlamaAttention(nn.Module):

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -222,29 +223,33 @@ _MMA_SIGNATURE = {
     "block_row_ptr": "*i32", "m_indptr_ptr": "*i64", "gather_ptr": "*i64", "M": "i32",
     "N": "i32", "K2": "i32", "NB": "i32", "KBP": "i32", "KBS": "i32", "n_iter": "i32",
     "num_experts": "i32", "stride_xm": "i32", "stride_om": "i32", "stride_qe": "i32",
-    "stride_se": "i32", "stride_be": "i32",
+    "stride_se": "i32", "stride_be": "i32", "act_alpha": "fp32", "act_limit": "fp32",
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("bits,tm,copies,mxfp4,wk", [(4, 8, 32, False, 4), (2, 16, 1, False, 4),
-                                                    (3, 8, 32, False, 1), (5, 16, 8, False, 2),
-                                                    (4, 8, 32, True, 4), (4, 16, 16, True, 1)])  # fmt: skip
-def test_mma_kernel_compiles_for_sm90_without_a_gpu(bits, tm, copies, mxfp4, wk):
+@pytest.mark.parametrize("bits,tm,copies,mxfp4,wk,act", [
+    (4, 8, 32, False, 4, 0), (2, 16, 1, False, 4, 1), (3, 8, 32, False, 1, 0),
+    (5, 16, 8, False, 2, 0), (4, 8, 32, True, 4, 2), (4, 16, 16, True, 1, 0),
+    (4, 16, 32, False, 4, 1),
+])  # fmt: skip
+def test_mma_kernel_compiles_for_sm90_without_a_gpu(bits, tm, copies, mxfp4, wk, act):
     """The Gluon kernel (inline PTX, which no interpreter runs) through Triton's bundled
     ptxas: its table is the largest shared-memory allocation (``wk`` > 1: padded to the size
     of the warps' partial sums, which reuse it after the loop), so it starts at ``global_smem``.
     ``mxfp4``: the grouped variant with UE8M0 scales and the token gather. With PDL
     (`common.pdl`) it lets the next kernel launch first thing; a dense launch loads its first
     weights and scales and fills its table before its wait, a grouped one waits before its
-    first load (its row blocks come from the sort kernels)."""
+    first load (its row blocks come from the sort kernels). ``act``: a gated pair's
+    activation in the epilogue (no split across CTAs; its two halves of the warps' sums take
+    the same shared memory), exp once per output and no atomics."""
     pytest.importorskip("triton")
     from aot import compile_for_sm90
 
     from quantfw.kernels.kbit.triton import mma as KM
 
-    consts = dict(W=4, CH=4, TM=tm, SPLIT=2, COPIES=copies, BITS=bits, PIPE=False,
-                  MASK_N=True, MASK_K=True, HAS_BIAS=True, IS_BF16=bits == 2,
-                  UE8M0=mxfp4, GROUPED=mxfp4, GATHER=mxfp4, PDL=True, WK=wk)  # fmt: skip
+    consts = dict(W=4, CH=4, TM=tm, SPLIT=1 if act else 2, COPIES=copies, BITS=bits,
+                  PIPE=False, MASK_N=True, MASK_K=True, HAS_BIAS=True, IS_BF16=bits == 2,
+                  UE8M0=mxfp4, GROUPED=mxfp4, GATHER=mxfp4, PDL=True, WK=wk, ACT=act)  # fmt: skip
     kernel = compile_for_sm90(KM.kbit_mma_kernel, _MMA_SIGNATURE, consts, num_warps=4,
                               launch_pdl=True)  # fmt: skip
     entries = {2: 256, 3: 64, 4: 256, 5: 1024}[bits]
@@ -252,6 +257,10 @@ def test_mma_kernel_compiles_for_sm90_without_a_gpu(bits, tm, copies, mxfp4, wk)
     assert kernel.metadata.shared == max(entries * copies * (2 if bits == 2 else 1) * 4, sums)
     ptx = kernel.asm["ptx"]
     assert "mma.sync.aligned.m16n8k16" in ptx and "ld.shared" in ptx
+    # per thread: one exp per output it stores (2 TM // 8: half of its accumulators), none
+    # without act
+    assert ptx.count("ex2.approx") == (2 * (tm // 8) if act else 0)
+    assert bool(re.search(r"\b(atom|red)\.global", ptx)) == (not act)
     # the table's stores: every shared store before the first barrier addresses global_smem
     fill = ptx[: ptx.index("bar.sync")]
     assert re.search(r"\bst(matrix)?\.[.\w]*shared", fill) and "global_smem" in fill
@@ -454,6 +463,58 @@ def test_gpu_configs_match_reference(bits, N, K, dtype):
             assert ws is None or (not ws.any() and not cnt.any()), f"dirty workspace after {cfg}"
         out = kbit.kbit_matmul(x, w)  # the default config, no bias
         assert _rel(out, x.double() @ ref.double().t()) < TOL[dtype]
+
+
+@gpu
+@pytest.mark.parametrize(
+    "bits,inter,K,fused_at_decode",
+    [(4, 12288, 4096, True), (2, 640, 512, True), (5, 640, 512, False), (4, 3072, 4096, False)],
+)
+def test_gpu_gated_epilogue_matches_the_separate_activation(
+    bits, inter, K, fused_at_decode, monkeypatch
+):
+    """A gated pair's rows interleaved in groups of 32 (`fused.interleave_gate_up`): with
+    ``act`` the mma kernel activates each block's gate and up halves in its epilogue where the
+    CTA holds the whole K (Qwen3-8B's gate_up; a small K), and the separate kernel runs after
+    it where K is split across CTAs or K = 3, 5 (``fused_at_decode`` False) and past the mma
+    sizes (M = 33, 300). Against the float64 GEMM then the activation, and against the unfused kernel
+    then the separate activation (the same sums and roundings)."""
+    from quantfw.kernels import fused as F
+    from quantfw.kernels.kbit.triton import dispatch
+
+    calls = []
+    separate = F.silu_and_mul
+    monkeypatch.setattr(F, "silu_and_mul", lambda *a: calls.append(1) or separate(*a))
+    N = 2 * inter
+    planes, absmax, cb, ref = random_weight(N, K, bits, seed=inter + bits, device="cuda")
+    il = functools.partial(F.interleave_gate_up, group=kbit.GATED_GROUP)
+    w = kbit.repack_weight(il(planes), il(absmax), cb)
+    gen = torch.Generator(device="cuda").manual_seed(bits)
+    for dtype, M, act in itertools.product(
+        (torch.float16, torch.bfloat16), (1, 5, 16, 33, 300),
+        (F.GatedAct("silu"), F.GatedAct("swiglu_oai", 1.702, 7.0)),
+    ):  # fmt: skip
+        x = torch.randn(M, K, device="cuda", generator=gen).to(dtype)
+        bias = torch.randn(N, device="cuda", generator=gen).to(dtype)
+        want = act((x.double() @ ref.double().t() + bias.double()).float())
+        calls.clear()
+        got = kbit.kbit_matmul(x, w, il(bias), act=(act, kbit.GATED_GROUP))
+        assert got.shape == (M, inter) and bool(torch.isfinite(got).all())
+        err = _rel(got, want.double())
+        assert err < 2 * TOL[dtype], f"bits={bits} N={N} K={K} M={M} {dtype} {act}: {err:.2e}"
+        cfg = dispatch._CONFIG_CACHE[dispatch._key(x, w)]
+        if act.kind == "silu":  # whether the separate kernel ran
+            assert (not calls) == (fused_at_decode and cfg[0] == "mma"), (M, cfg, len(calls))
+        if cfg[0] == "mma":  # the same GEMM unfused, then the separate kernel
+            plain = dispatch.gemm(x, w, il(bias), cfg)
+            two = act(plain, kbit.GATED_GROUP)
+            assert (got.float() - two.float()).abs().max().item() <= 2 * _ulp(dtype) * (
+                two.float().abs().max().item()
+            ), f"bits={bits} M={M} {dtype} {act}: fused and separate differ"
+
+
+def _ulp(dtype):
+    return torch.finfo(dtype).eps
 
 
 @gpu

@@ -74,6 +74,21 @@ def fused() -> None:
         check(
             f"silu_and_mul {dtype}", rel(triton_ops.silu_and_mul(y), reference.silu_and_mul(y)), tol
         )
+        for group in (16, 40):  # a gated pair's output interleaved in groups
+            y_il = reference.interleave_gate_up(y, group, dim=-1)
+            check(
+                f"silu_and_mul interleave={group} {dtype}",
+                rel(triton_ops.silu_and_mul(y_il, group), reference.silu_and_mul(y)),
+                tol,
+            )
+            check(
+                f"swiglu_oai interleave={group} {dtype}",
+                rel(
+                    triton_ops.swiglu_oai(y_il, 1.702, 7.0, group),
+                    reference.swiglu_oai(y, 1.702, 7.0),
+                ),
+                tol,
+            )
         for rot, norm in ((64, True), (48, True), (32, False)):
             qkv = torch.randn(1, 7, 10 * 64, dtype=dtype)
             q, k = qkv[..., : 6 * 64].view(1, 7, 6, 64), qkv[..., 6 * 64 : 8 * 64].view(1, 7, 2, 64)

@@ -10,12 +10,26 @@ transformers rounds, except rotary, which rounds once instead of after every pro
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
 from quantfw.kernels.common import triton_available
 from quantfw.kernels.fused import reference
+from quantfw.kernels.fused.reference import deinterleave_gate_up, interleave_gate_up
 
-__all__ = ["rms_norm", "silu_and_mul", "swiglu_oai", "qk_norm_rope", "store_kv", "triton_available"]
+__all__ = [
+    "GatedAct",
+    "interleave_gate_up",
+    "deinterleave_gate_up",
+    "rms_norm",
+    "silu_and_mul",
+    "swiglu_oai",
+    "qk_norm_rope",
+    "store_kv",
+    "triton_available",
+]
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -41,23 +55,37 @@ def rms_norm(
     return reference.rms_norm(x, weight, eps, residual, weight_in_float32=weight_in_float32)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``silu(x[..., :d]) * x[..., d:]`` for x of width 2d (gate then up)."""
+def _check_interleave(x: torch.Tensor, interleave: int, op: str) -> None:
+    if interleave < 0 or (interleave and x.shape[-1] % (2 * interleave)):
+        raise ValueError(
+            f"{op}: interleave={interleave} must be 0 or a positive divisor of half the width "
+            f"{x.shape[-1]} (groups of interleave gate columns then their up columns)"
+        )
+
+
+def silu_and_mul(x: torch.Tensor, interleave: int = 0) -> torch.Tensor:
+    """``silu(gate) * up`` for x of width 2d: ``[gate (d) | up (d)]``, or with `interleave` g
+    groups of g gate columns, each followed by its g up columns."""
+    _check_interleave(x, interleave, "silu_and_mul")
     if _use_triton(x):
         from quantfw.kernels.fused import triton_ops
 
-        return triton_ops.silu_and_mul(x)
-    return reference.silu_and_mul(x)
+        return triton_ops.silu_and_mul(x, interleave)
+    return reference.silu_and_mul(x, interleave)
 
 
-def swiglu_oai(x: torch.Tensor, alpha: float, limit: float | None) -> torch.Tensor:
-    """GPT-OSS's SwiGLU on x = [gate (d) | up (d)]: ``(clamp(up, -limit, limit) + 1) * g *
-    sigmoid(alpha * g)`` with ``g = clamp(gate, max=limit)`` (no clamp when limit is None)."""
+def swiglu_oai(
+    x: torch.Tensor, alpha: float, limit: float | None, interleave: int = 0
+) -> torch.Tensor:
+    """GPT-OSS's SwiGLU on x = [gate (d) | up (d)] (or interleaved, see `silu_and_mul`):
+    ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = clamp(gate,
+    max=limit)`` (no clamp when limit is None)."""
+    _check_interleave(x, interleave, "swiglu_oai")
     if _use_triton(x):
         from quantfw.kernels.fused import triton_ops
 
-        return triton_ops.swiglu_oai(x, alpha, limit)
-    return reference.swiglu_oai(x, alpha, limit)
+        return triton_ops.swiglu_oai(x, alpha, limit, interleave)
+    return reference.swiglu_oai(x, alpha, limit, interleave)
 
 
 def qk_norm_rope(
@@ -102,3 +130,27 @@ def store_kv(
         triton_paged.store_kv(k, v, k_cache, v_cache, slots)
         return
     reference.store_kv(k, v, k_cache, v_cache, slots)
+
+
+@dataclass(frozen=True)
+class GatedAct:
+    """A gated activation as GEMM kernels may fuse it: ``kind`` "silu" (`silu_and_mul`) or
+    "swiglu_oai" (`swiglu_oai` with ``alpha`` and ``limit``)."""
+
+    kind: str
+    alpha: float = 1.0
+    limit: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("silu", "swiglu_oai"):
+            raise ValueError(f"GatedAct: kind {self.kind!r}; supported: 'silu', 'swiglu_oai'")
+
+    def __call__(self, x: torch.Tensor, interleave: int = 0) -> torch.Tensor:
+        if self.kind == "silu":
+            return silu_and_mul(x, interleave)
+        return swiglu_oai(x, self.alpha, self.limit, interleave)
+
+    @property
+    def clamp(self) -> float:
+        """The limit as a kernel takes it (infinite: no clamp)."""
+        return math.inf if self.limit is None else float(self.limit)

@@ -25,16 +25,42 @@ def rms_norm(
     return out if residual is None else (out, x)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def interleave_gate_up(t: torch.Tensor, group: int, dim: int = 0) -> torch.Tensor:
+    """A gated pair's ``[gate (d) | up (d)]`` along `dim` (weight rows, bias, or output columns)
+    -> d / group groups of `group` gate entries, each followed by its `group` up entries."""
+    dim = dim % t.ndim
+    d = t.shape[dim] // 2
+    return t.unflatten(dim, (2, d // group, group)).transpose(dim, dim + 1).flatten(dim, dim + 2)
+
+
+def deinterleave_gate_up(t: torch.Tensor, group: int, dim: int = -1) -> torch.Tensor:
+    """The inverse of `interleave_gate_up`."""
+    dim = dim % t.ndim
+    d = t.shape[dim] // 2
+    return t.unflatten(dim, (d // group, 2, group)).transpose(dim, dim + 1).flatten(dim, dim + 2)
+
+
+def gate_and_up(x: torch.Tensor, interleave: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate, up) of a gated pair's output x: ``[gate (d) | up (d)]``, or with `interleave` g
+    groups of ``[g gate columns | their g up columns]``."""
+    if interleave:
+        pairs = x.unflatten(-1, (-1, 2, interleave))
+        return pairs[..., 0, :].flatten(-2), pairs[..., 1, :].flatten(-2)
     d = x.shape[-1] // 2
-    return F.silu(x[..., :d]) * x[..., d:]
+    return x[..., :d], x[..., d:]
 
 
-def swiglu_oai(x: torch.Tensor, alpha: float, limit: float | None) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, interleave: int = 0) -> torch.Tensor:
+    gate, up = gate_and_up(x, interleave)
+    return F.silu(gate) * up
+
+
+def swiglu_oai(
+    x: torch.Tensor, alpha: float, limit: float | None, interleave: int = 0
+) -> torch.Tensor:
     """GPT-OSS's clamped SwiGLU on x = [gate (d) | up (d)]: gate clamped above and up on both
     sides at `limit`, then ``(up + 1) * gate * sigmoid(alpha * gate)``."""
-    d = x.shape[-1] // 2
-    gate, up = x[..., :d], x[..., d:]
+    gate, up = gate_and_up(x, interleave)
     if limit is not None:
         gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))

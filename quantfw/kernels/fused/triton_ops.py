@@ -91,34 +91,38 @@ def rms_norm(
 
 
 @triton.jit
+def _gate_columns(cols, group):
+    """The gate's column of output column ``cols`` in groups of ``group`` gate columns, each
+    followed by its ``group`` up columns (one group of d: ``[gate | up]``)."""
+    return (cols // group) * (2 * group) + cols % group
+
+
+@triton.jit
 def _silu_and_mul_kernel(
-    x_ptr, out_ptr, d, x_stride, BLOCK: tl.constexpr, PDL: tl.constexpr = False
+    x_ptr, out_ptr, d, x_stride, group, BLOCK: tl.constexpr, PDL: tl.constexpr = False
 ):
     pdl.wait_and_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
     dtype = out_ptr.dtype.element_ty
-    g = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(x_ptr + row * x_stride + d + cols, mask=mask, other=0.0).to(tl.float32)
+    gc = row * x_stride + _gate_columns(cols, group)
+    g = tl.load(x_ptr + gc, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + gc + group, mask=mask, other=0.0).to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
     tl.store(out_ptr + row * d + cols, (silu * u).to(dtype), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, interleave: int = 0) -> torch.Tensor:
     d = x.shape[-1] // 2
     x2 = _rows(x)
     out = torch.empty((x2.shape[0], d), dtype=x.dtype, device=x.device)
     block = min(2048, triton.next_power_of_2(d))
-    _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
-        x2,
-        out,
-        d,
-        x2.stride(0),
-        BLOCK=block,
-        num_warps=_warps(block),
-        **pdl.launch_options(pdl.enabled(x2.device)),
-    )
+    if x2.shape[0]:
+        _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
+            x2, out, d, x2.stride(0), interleave or d, BLOCK=block, num_warps=_warps(block),
+            **pdl.launch_options(pdl.enabled(x2.device)),
+        )  # fmt: skip
     return out.view(*x.shape[:-1], d)
 
 
@@ -130,6 +134,7 @@ def _swiglu_oai_kernel(
     x_stride,
     alpha,
     limit,
+    group,
     CLAMP: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr = False,
@@ -139,8 +144,9 @@ def _swiglu_oai_kernel(
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
     dtype = out_ptr.dtype.element_ty
-    g = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(x_ptr + row * x_stride + d + cols, mask=mask, other=0.0).to(tl.float32)
+    gc = row * x_stride + _gate_columns(cols, group)
+    g = tl.load(x_ptr + gc, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + gc + group, mask=mask, other=0.0).to(tl.float32)
     if CLAMP:
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
@@ -148,14 +154,16 @@ def _swiglu_oai_kernel(
     tl.store(out_ptr + row * d + cols, ((u + 1.0) * glu).to(dtype), mask=mask)
 
 
-def swiglu_oai(x: torch.Tensor, alpha: float, limit: float | None) -> torch.Tensor:
+def swiglu_oai(
+    x: torch.Tensor, alpha: float, limit: float | None, interleave: int = 0
+) -> torch.Tensor:
     d = x.shape[-1] // 2
     x2 = _rows(x)
     out = torch.empty((x2.shape[0], d), dtype=x.dtype, device=x.device)
     block = min(2048, triton.next_power_of_2(d))
     if x2.shape[0]:
         _swiglu_oai_kernel[(x2.shape[0], triton.cdiv(d, block))](
-            x2, out, d, x2.stride(0), float(alpha), float(limit or 0.0),
+            x2, out, d, x2.stride(0), float(alpha), float(limit or 0.0), interleave or d,
             CLAMP=limit is not None, BLOCK=block, num_warps=_warps(block),
             **pdl.launch_options(pdl.enabled(x2.device)),
         )  # fmt: skip

@@ -17,11 +17,19 @@ from quantfw.kernels.kbit.format import (
     normal_float_codebook,
     quantize,
 )
-from quantfw.kernels.kbit.layout import KbitWeight, dequantize_weight, repack, tiled_nbytes, unpack
+from quantfw.kernels.kbit.layout import (
+    GATED_GROUP,
+    KbitWeight,
+    dequantize_weight,
+    repack,
+    tiled_nbytes,
+    unpack,
+)
 from quantfw.kernels.kbit.ops import kbit_matmul, repack_weight
 
 __all__ = [
     "BLOCKSIZE",
+    "GATED_GROUP",
     "SUPPORTED_BITS",
     "KbitWeight",
     "check_codebook",

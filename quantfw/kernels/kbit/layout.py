@@ -84,6 +84,11 @@ class KbitWeight:
         )
 
 
+#: the row interleave of a gated pair (`fused.interleave_gate_up`) whose activation the mma
+#: kernel computes in its epilogue: gate and up each half of a 64-column block
+GATED_GROUP = 32
+
+
 def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 

@@ -14,6 +14,7 @@ import functools
 import torch
 
 from quantfw.kernels.common import triton_available
+from quantfw.kernels.fused import GatedAct
 from quantfw.kernels.kbit import layout
 from quantfw.kernels.kbit.layout import KbitWeight, dequantize_weight
 
@@ -39,10 +40,16 @@ def repack_weight(
 
 
 def kbit_matmul(
-    x: torch.Tensor, weight: KbitWeight, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: KbitWeight,
+    bias: torch.Tensor | None = None,
+    *,
+    act: tuple[GatedAct, int] | None = None,
 ) -> torch.Tensor:
-    """out[..., N] = x[..., K] @ W.T (+ bias), in x's dtype."""
-    K, N = weight.in_features, weight.out_features
+    """out[..., N] = x[..., K] @ W.T (+ bias), in x's dtype. ``act`` (activation, interleave):
+    W's rows are a gated pair interleaved in groups (`fused.interleave_gate_up`); returns the
+    activation of the output, [..., N / 2] (on the mma kernel, computed in its epilogue)."""
+    K = weight.in_features
     if x.shape[-1] != K:
         raise ValueError(f"kbit_matmul: x has {x.shape[-1]} input features, weight has {K}")
     lead = x.shape[:-1]
@@ -50,10 +57,12 @@ def kbit_matmul(
     if x.dtype in (torch.float16, torch.bfloat16) and triton_serves(x.device):
         from quantfw.kernels.kbit.triton.dispatch import kbit_matmul_cuda
 
-        out = kbit_matmul_cuda(x2, weight, bias)
+        out = kbit_matmul_cuda(x2, weight, bias, act=act)
     else:
         out = x2.to(torch.float32) @ dequantize_weight(weight, torch.float32).t()
         if bias is not None:
             out = out + bias.to(torch.float32)
         out = out.to(x.dtype)
-    return out.reshape(*lead, N)
+        if act is not None:
+            out = act[0](out, act[1])
+    return out.reshape(*lead, out.shape[-1])

@@ -96,11 +96,15 @@ def moe_forward(
     w2: ExpertWeights,
     w13_bias: torch.Tensor | None,
     w2_bias: torch.Tensor | None,
-    activation: Callable[[torch.Tensor], torch.Tensor],
+    activation: Callable[..., torch.Tensor],
     config: dict | None = None,
+    gate_up_interleave: int = 0,
 ) -> torch.Tensor:
     """``sum_j w[t, j] * (act(x[t] @ W13[e].T + b13[e]) @ W2[e].T + b2[e])`` for x [T, H] and
-    the experts ``e = topk_ids[t, j]``; `config` overrides the kernel configuration (tuning)."""
+    the experts ``e = topk_ids[t, j]``; `config` overrides the kernel configuration (tuning).
+    ``gate_up_interleave``: W13's rows (and bias) are interleaved in groups
+    (`fused.interleave_gate_up`); the activation is a `layers.activation.GatedActivation`,
+    which the lookup kernel computes in its epilogue where it can."""
     from quantfw.kernels.mxfp4.triton import grouped_gemm
     from quantfw.kernels.mxfp4.triton import sort as fused
 
@@ -118,8 +122,17 @@ def moe_forward(
     else:
         sort = sort_by_expert(topk_ids, num_experts)
         plan = block_schedule(sort.m_indptr, rows, cfg["BLOCK_M"], topk_ids.shape[-1])
-    h = grouped_gemm.grouped_gemm(x, w13, plan, bias=w13_bias, gather=sort.token_index, config=cfg)
-    y = grouped_gemm.grouped_gemm(activation(h), w2, plan, bias=w2_bias, config=cfg)
+    if gate_up_interleave and cfg.get("LUT"):  # W13 -> activated rows in one launch
+        act_cfg = {**cfg, "act": (activation.spec, gate_up_interleave)}
+        a = grouped_gemm.grouped_gemm(
+            x, w13, plan, bias=w13_bias, gather=sort.token_index, config=act_cfg
+        )
+    else:
+        h = grouped_gemm.grouped_gemm(
+            x, w13, plan, bias=w13_bias, gather=sort.token_index, config=cfg
+        )
+        a = activation(h, gate_up_interleave) if gate_up_interleave else activation(h)
+    y = grouped_gemm.grouped_gemm(a, w2, plan, bias=w2_bias, config=cfg)
     return fused.combine(y, sort, topk_weights) if small else combine(y, sort, topk_weights)
 
 

@@ -70,6 +70,14 @@ def replace_with_buffers(
 class LinearMethodBase(QuantizeMethodBase):
     """A method for linear layers."""
 
+    def apply_gated(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, act: nn.Module
+    ) -> torch.Tensor:
+        """``act`` (a `layers.activation.GatedActivation`) of the output of a gated pair
+        layer (``[gate | up]``, `MergedColumnParallelLinear` with ``gated=True``). Default:
+        `apply`, then the activation; a method may compute it inside its GEMM."""
+        return act(self.apply(layer, x, bias))
+
 
 class UnquantizedLinearMethod(LinearMethodBase):
     """Plain `weight [out, in]` in the model dtype."""

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantfw.kernels import kbit
+from quantfw.kernels import fused, kbit
 from quantfw.kernels.kbit import format as kfmt
 from quantfw.layers.quantization.base import (
     LinearMethodBase,
@@ -237,6 +237,12 @@ class KbitLinearMethod(LinearMethodBase):
                 f"layer {prefix}: kbit_codebook {codebook.tolist()} differs from the codebook "
                 f"of the quantization config {self.config.codebook.tolist()}"
             )
+        group = _gated_interleave(layer)
+        if group:  # the GEMM's epilogue activates a block's gate and up halves (kbit.ops)
+            planes = fused.interleave_gate_up(planes, group)
+            absmax = fused.interleave_gate_up(absmax, group)
+            if layer.bias is not None:
+                layer.bias.data = fused.interleave_gate_up(layer.bias.data, group)
         weight = kbit.repack_weight(planes, absmax, codebook, f"layer {prefix}")
         replace_with_buffers(
             layer,
@@ -248,6 +254,7 @@ class KbitLinearMethod(LinearMethodBase):
             },
         )
         layer.kbit_features = (weight.in_features, weight.out_features)
+        layer.kbit_gate_up_interleave = group
 
     def runtime_nbytes(self, layer: nn.Module) -> int:
         return kbit.tiled_nbytes(
@@ -261,7 +268,17 @@ class KbitLinearMethod(LinearMethodBase):
             _, planes, absmax, codebook = self._flat(layer)
             weight = kfmt.dequantize(planes, absmax, codebook).reshape(planes.shape[0], -1)
             return F.linear(x, weight.to(x.dtype), bias)
-        return kbit.kbit_matmul(x, self._weight(layer), bias)
+        out = kbit.kbit_matmul(x, self._weight(layer), bias)
+        group = layer.kbit_gate_up_interleave
+        return fused.deinterleave_gate_up(out, group) if group else out
+
+    def apply_gated(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, act: nn.Module
+    ) -> torch.Tensor:
+        group = getattr(layer, "kbit_gate_up_interleave", 0)
+        if not group:
+            return super().apply_gated(layer, x, bias, act)
+        return kbit.kbit_matmul(x, self._weight(layer), bias, act=(act.spec, group))
 
     @staticmethod
     def _weight(layer: nn.Module) -> kbit.KbitWeight:
@@ -279,3 +296,12 @@ class KbitLinearMethod(LinearMethodBase):
             )
             layer.__dict__["_kbit_weight"] = weight
         return weight
+
+
+def _gated_interleave(layer: nn.Module) -> int:
+    """The row interleave of a gated pair's repacked weight (`fused.interleave_gate_up`): the
+    mma kernel's gated group where each part's rows per rank are whole groups, else 0."""
+    if not getattr(layer, "gated", False):
+        return 0
+    part = layer.output_partition_sizes[0]
+    return kbit.GATED_GROUP if part % kbit.GATED_GROUP == 0 else 0

@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantfw.kernels import moe, mxfp4
+from quantfw.kernels import fused, kbit, moe, mxfp4
 from quantfw.kernels.mxfp4 import grouped
+from quantfw.layers.activation import GatedActivation
 from quantfw.layers.moe.base import FusedMoEMethodBase, create_expert_biases, moe_param
 from quantfw.layers.quantization.base import (
     LinearMethodBase,
@@ -138,13 +139,24 @@ class Mxfp4LinearMethod(LinearMethodBase):
         return layer.weight_blocks.numel() + layer.weight_scales.numel()
 
 
-def _pack_for_gpu(layer: nn.Module, name: str) -> None:
+def _pack_for_gpu(layer: nn.Module, name: str, gate_up_interleave: int = 0) -> None:
     """Replace ``<name>_blocks`` / ``<name>_scales`` of a layer on a GPU that the Triton kernels
-    serve by the runtime layout (buffers ``<name>_qweight``, ``<name>_qscales``)."""
+    serve by the runtime layout (buffers ``<name>_qweight``, ``<name>_qscales``);
+    ``gate_up_interleave``: W13's rows and bias interleaved in groups of that many
+    (`fused.interleave_gate_up`), which lets the lookup kernel activate them in its epilogue."""
     blocks = getattr(layer, f"{name}_blocks")
     if not grouped.gpu_device(blocks.device):
         return
-    packed = grouped.Mxfp4Weights.pack(blocks.data, getattr(layer, f"{name}_scales").data)
+    scales = getattr(layer, f"{name}_scales").data
+    blocks = blocks.data
+    if gate_up_interleave:
+        blocks = fused.interleave_gate_up(blocks, gate_up_interleave, dim=1)
+        scales = fused.interleave_gate_up(scales, gate_up_interleave, dim=1)
+        bias = getattr(layer, f"{name}_bias", None)
+        if bias is not None:
+            bias.data = fused.interleave_gate_up(bias.data, gate_up_interleave, dim=1)
+        layer.gate_up_interleave = gate_up_interleave
+    packed = grouped.Mxfp4Weights.pack(blocks, scales)
     replace_with_buffers(
         layer,
         (f"{name}_blocks", f"{name}_scales"),
@@ -232,7 +244,8 @@ class Mxfp4MoEMethod(FusedMoEMethodBase):
 
         fp16 = layer.params_dtype in (torch.float16, torch.bfloat16)
         if not fp16 or not flashinfer.available(layer.w13_blocks.device):
-            _pack_for_gpu(layer, "w13")
+            gated = isinstance(layer.activation, GatedActivation)
+            _pack_for_gpu(layer, "w13", kbit.GATED_GROUP if gated else 0)
             _pack_for_gpu(layer, "w2")
             return
         w13 = flashinfer.FlashInferWeights.prepare(layer.w13_blocks.data, layer.w13_scales.data)
@@ -272,6 +285,7 @@ class Mxfp4MoEMethod(FusedMoEMethodBase):
             return grouped.moe_forward(
                 x, topk_weights, topk_ids, w13=w13, w2=w2,
                 w13_bias=w13_bias, w2_bias=w2_bias, activation=layer.activation,
+                gate_up_interleave=getattr(layer, "gate_up_interleave", 0),
             )  # fmt: skip
 
         def expert_weights(e: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,6 +19,7 @@ import triton
 
 from quantfw.kernels.common import splitk
 from quantfw.kernels.common.timing import fastest_config
+from quantfw.kernels.fused import GatedAct
 from quantfw.kernels.kbit import format as kfmt
 from quantfw.kernels.kbit.configs import candidate_configs, m_bucket
 from quantfw.kernels.kbit.layout import KbitWeight, check_flat, padded_shape
@@ -78,14 +79,23 @@ def gemm(
     bias: torch.Tensor | None,
     cfg: tuple,
     sms: int | None = None,
+    act: tuple[GatedAct, int] | None = None,
 ) -> torch.Tensor:
-    """``x2 [M, K] @ W.T (+ bias)`` with the config `cfg` (x2 contiguous, fp16 or bf16)."""
+    """``x2 [M, K] @ W.T (+ bias)`` with the config `cfg` (x2 contiguous, fp16 or bf16);
+    ``act``: a gated pair's activation of it (`ops.kbit_matmul`)."""
     if cfg[0] == "mma":
         _, warps, chunk, ctas_per_sm, copies, pipe = cfg
         return kbit_mma_matmul(
             x2, weight.qweight, weight.scales, _lookup_table(weight, x2.dtype),
             weight.out_features, weight.bits, bias, warps, chunk, ctas_per_sm, copies, pipe,
+            act=act,
         )  # fmt: skip
+    out = _gemm(x2, weight, bias, cfg, sms)
+    return out if act is None else act[0](out, act[1])
+
+
+def _gemm(x2, weight: KbitWeight, bias, cfg: tuple, sms: int | None) -> torch.Tensor:
+    """`gemm` with a "deq" or "fused" config."""
     if cfg[0] == "deq":
         _, block_n, block_k, warps = cfg
         return F.linear(x2, dequantize(weight, x2.dtype, block_n, block_k, warps), bias)
@@ -142,8 +152,9 @@ def kbit_matmul_cuda(
     weight: KbitWeight,
     bias: torch.Tensor | None = None,
     config: tuple | None = None,
+    act: tuple[GatedAct, int] | None = None,
 ) -> torch.Tensor:
-    """x2: [M, K] fp16/bf16 on CUDA."""
+    """x2: [M, K] fp16/bf16 on CUDA; ``act``: see `ops.kbit_matmul`."""
     if x2.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"kbit_matmul: activations must be fp16 or bf16, got {x2.dtype}")
     if config is None:
@@ -156,7 +167,7 @@ def kbit_matmul_cuda(
             _CONFIG_CACHE[key] = config
     if bias is not None:
         bias = bias.contiguous()
-    return gemm(x2.contiguous(), weight, bias, config)
+    return gemm(x2.contiguous(), weight, bias, config, act=act)
 
 
 def tune(x2, weight: KbitWeight, bias=None, rep_ms: float = 20.0, bench=None) -> tuple | None:

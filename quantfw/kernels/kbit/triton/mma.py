@@ -53,8 +53,9 @@ from triton.experimental.gluon import constexpr_function
 from triton.experimental.gluon import language as gl
 
 from quantfw.kernels.common import pdl, splitk
+from quantfw.kernels.fused import GatedAct
 from quantfw.kernels.kbit.configs import MMA_BITS
-from quantfw.kernels.kbit.layout import _as_int32
+from quantfw.kernels.kbit.layout import GATED_GROUP, _as_int32
 from quantfw.kernels.moe.sort import BlockPlan
 from quantfw.kernels.w4a16.triton.mma import (
     _mma,
@@ -70,6 +71,10 @@ from quantfw.kernels.w4a16.triton.mma import (
 
 #: elements per chunk of the K loop are CH blocks of 32; scales come as 4 blocks per word
 SCALE_BLOCKS = gl.constexpr(4)
+_ACT_CODES = {"silu": 1, "swiglu_oai": 2}
+#: bit widths whose gated pairs activate in the epilogue: K = 3, 5 (two CTAs per SM) measured
+#: no gain (K = 3) and a loss with PDL (K = 5), benchmarks/kbit-lab-log.md §15
+GATED_BITS = (2, 4)
 
 
 @constexpr_function
@@ -263,6 +268,51 @@ def _chunk(
 
 
 @gluon.jit
+def _gated_epilogue(
+    accs, out_ptr, bias_ptr, row0, rows, N, stride_om, alpha, limit, W: gl.constexpr,
+    WK: gl.constexpr, TM: gl.constexpr, LR: gl.constexpr, HAS_BIAS: gl.constexpr,
+    ACT: gl.constexpr,
+):  # fmt: skip
+    """A gated pair's activation, computed once per output.  The weight's rows are interleaved
+    (`fused.interleave_gate_up`, groups of `layout.GATED_GROUP`): columns 0..31 of 64-column
+    block nb are gate columns 32 nb .. 32 nb + 31, columns 32..63 their up columns, i.e.
+    accumulators j = 0, 1 (``accs[(TM // 8) j + h]``) and j = 2, 3 of the same lane.  Summed
+    as `_sum_k_slices` does, in two halves; output column ``32 nb + i`` (of N / 2) is
+    ``act(gate) * up``, gate and up rounded to the output dtype first as the GEMM's stored
+    output would be (`fused.silu_and_mul`, `fused.swiglu_oai`)."""
+    HALF: gl.constexpr = 2 * (TM // 8)
+    WB: gl.constexpr = W // WK
+    SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
+    gbuf = gl.allocate_shared_memory(gl.float32, [HALF * W, 32, 4], SL)
+    ubuf = gl.allocate_shared_memory(gl.float32, [HALF * W, 32, 4], SL)
+    for a in gl.static_range(HALF):
+        gbuf.slice(a * W, W).store(accs[a])
+        ubuf.slice(a * W, W).store(accs[HALF + a])
+    gl.thread_barrier()
+    L4: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[3, 2, 1, 0])
+    gate = gl.sum(gbuf._reinterpret(gl.float32, [HALF, WK, WB, 128], L4).load(LR), axis=1)
+    up = gl.sum(ubuf._reinterpret(gl.float32, [HALF, WK, WB, 128], L4).load(LR), axis=1)
+
+    # ng: the gate's weight column (its up column is ng + 32); n: the output column
+    tok, ng = _reduced_tok_n(WB, TM, gl.SliceLayout(1, LR), 2)
+    n = ng // 64 * 32 + ng % 64
+    ok = (tok < rows) & (n < N // 2)
+    dt: gl.constexpr = out_ptr.dtype.element_ty
+    if HAS_BIAS:
+        gate += gl.load(bias_ptr + ng, mask=ok, other=0.0).to(gl.float32)
+        up += gl.load(bias_ptr + ng + 32, mask=ok, other=0.0).to(gl.float32)
+    g = gate.to(dt).to(gl.float32)
+    u = up.to(dt).to(gl.float32)
+    if ACT == 1:
+        y = (g / (1.0 + gl.exp(-g))).to(dt).to(gl.float32) * u
+    else:
+        g = gl.minimum(g, limit)
+        u = gl.minimum(gl.maximum(u, -limit), limit)
+        y = (u + 1.0) * (g / (1.0 + gl.exp(-g * alpha)))
+    gl.store(out_ptr + (row0 + tok) * stride_om + n, y.to(dt), mask=ok)
+
+
+@gluon.jit
 def kbit_mma_kernel(
     x_ptr,  # int32 view of x [M, K/2] (pairs of activations)
     q_ptr,  # int32 [(E,) N_pad, KBP * BITS] (field-packed)
@@ -289,6 +339,8 @@ def kbit_mma_kernel(
     stride_qe,  # GROUPED: per expert, in int32 units (q, s) and elements (bias)
     stride_se,
     stride_be,
+    act_alpha,  # ACT == 2: GPT-OSS's SwiGLU alpha and clamp limit
+    act_limit,
     W: gl.constexpr,  # warps per CTA, each on one 64-column block
     CH: gl.constexpr,  # blocks per chunk (a multiple of 4)
     TM: gl.constexpr,  # tokens per CTA tile: 8 or 16
@@ -305,6 +357,7 @@ def kbit_mma_kernel(
     GATHER: gl.constexpr = False,
     PDL: gl.constexpr = False,  # programmatic dependent launch (`common.pdl`)
     WK: gl.constexpr = 1,  # warps per 64-column block, splitting its chunks (summed in the CTA)
+    ACT: gl.constexpr = 0,  # a gated pair (`_gated_epilogue`): 1 SiLU-and-mul, 2 GPT-OSS SwiGLU
 ):
     L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [W, 1, 1], [2, 1, 0])
     EW: gl.constexpr = 2 if BITS == 2 else 1  # table words per entry
@@ -421,8 +474,17 @@ def kbit_mma_kernel(
         LR: gl.constexpr = gl.BlockedLayout(
             [1, WK, 1, 1], [1, 1, 1, 32], [W // WE, 1, 1, WE], [3, 2, 1, 0]
         )
+        if ACT != 0:
+            gl.static_assert(SPLIT == 1, "a gated epilogue needs the whole K in the CTA")
+            _gated_epilogue(
+                accs, out_ptr, bias_ptr, row0, rows, N, stride_om, act_alpha, act_limit, W, WK,
+                TM, LR, HAS_BIAS, ACT,
+            )  # fmt: skip
+            return
         accs = (_sum_k_slices(accs, W, WK, TM, LR),)
         tok, n = _reduced_tok_n(WB, TM, gl.SliceLayout(1, LR))
+    else:
+        gl.static_assert(ACT == 0, "a gated epilogue needs the in-CTA split (WK > 1)")
     epilogue_rows(
         accs, out_ptr, ws_ptr, cnt_ptr, bias_ptr, mt, row0, rows, tok, n, N, NB, stride_om,
         TM, SPLIT, HAS_BIAS, WK == 1,
@@ -495,14 +557,19 @@ def plan(
 def _launch(
     x2, qweight, scales, lut, out, N, bits, bias, tm, token_tiles, *, group=None, ue8m0=False,
     planned_tiles=None, warps=4, chunk=4, ctas_per_sm=4, copies=1, pipe=False, maxnreg=None,
-    wk=None,
+    wk=None, act=None,
 ):  # fmt: skip
     """One launch of `kbit_mma_kernel` over ``token_tiles`` tiles of ``tm`` tokens (the split
     along K planned for ``planned_tiles`` of them, default all); ``group``: (block_expert,
     block_row, m_indptr, gather or None) of a grouped GEMM over the leading (expert) dim of
     qweight / scales / bias; ``wk``: warps per 64-column block, splitting its chunks (None: all
     of the CTA's, so the CTA covers one block and a split across CTAs is ``wk`` times smaller
-    or gone; faster on every measured shape, benchmarks/kbit-lab-log.md §13)."""
+    or gone; faster on every measured shape, benchmarks/kbit-lab-log.md §13).
+
+    ``act``: (`fused.GatedAct`, interleave) for a gated pair whose rows are interleaved in
+    groups of ``interleave`` (`fused.interleave_gate_up`): returns ``act`` of the output, [rows,
+    N / 2], computed in the epilogue where the CTA holds a block's whole K (``interleave`` 32,
+    ``wk`` > 1, no split across CTAs, ``bits`` in `GATED_BITS`), else by the separate kernel."""
     _check_options(bits, chunk, copies)
     K = x2.shape[1]
     n_pad, kbp = qweight.shape[-2], qweight.shape[-1] // bits
@@ -514,6 +581,11 @@ def _launch(
     )
     tiles = triton.cdiv(NB, wb) * token_tiles
     grid = (triton.cdiv(NB, wb), token_tiles, split)
+    fn, interleave = act if act is not None else (None, 0)
+    fuse = fn is not None and interleave == GATED_GROUP and bits in GATED_BITS
+    fuse = fuse and wk > 1 and split == 1
+    if fuse:
+        out = torch.empty(out.shape[0], N // 2, device=out.device, dtype=out.dtype)
     ws, cnt = _workspace(x2.device, token_tiles * tm * n_pad if split > 1 else 1, tiles)
     grouped = group is not None
     block_expert, block_row, m_indptr, gather = group if grouped else (out, out, out, None)
@@ -526,13 +598,17 @@ def _launch(
         qweight.shape[0] if grouped else 1, x2.stride(0) // 2, out.stride(0),
         qweight.stride(0) if grouped else 0, sw.stride(0) if grouped else 0,
         bias.stride(0) if grouped and has_bias else 0,
+        fn.alpha if fuse else 1.0, fn.clamp if fuse else 0.0,
         W=warps, CH=chunk, TM=tm, SPLIT=split, COPIES=copies, BITS=bits, PIPE=pipe,
         MASK_N=NB % wb != 0, MASK_K=split * n_iter * wk * chunk != kbp, WK=wk,
         HAS_BIAS=has_bias, IS_BF16=x2.dtype == torch.bfloat16, UE8M0=ue8m0,
-        GROUPED=grouped, GATHER=gather is not None, num_warps=warps,
+        GROUPED=grouped, GATHER=gather is not None,
+        ACT=_ACT_CODES[fn.kind] if fuse else 0, num_warps=warps,
         **pdl.launch_options(pdl.enabled(x2.device)),
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )  # fmt: skip
+    if fn is not None and not fuse:
+        return fn(out, interleave)
     return out
 
 
@@ -551,6 +627,7 @@ def kbit_mma_matmul(
     pipe: bool = False,
     maxnreg: int | None = None,
     wk: int | None = None,
+    act: tuple[GatedAct, int] | None = None,
 ) -> torch.Tensor:
     """out[M, N] = x2[M, K] @ W.T (+ bias) for a field-packed weight (``qweight``, ``scales``
     of `layout.KbitWeight`) and its `lookup_table` ``lut`` in x's dtype; x2 fp16/bf16 on CUDA.
@@ -558,7 +635,8 @@ def kbit_mma_matmul(
     ``chunk`` blocks of 32 per K step (a multiple of 4), ``copies`` of the table in shared
     memory (1..32, a power of two), ``warps`` 64-column blocks per CTA, ``maxnreg`` a cap on
     registers per thread (None: the compiler's choice), ``wk`` warps per 64-column block
-    splitting its chunks (None: all ``warps``; see `_launch`)."""
+    splitting its chunks (None: all ``warps``; see `_launch`); ``act``: a gated pair's
+    activation, out [M, N / 2] (see `_launch`)."""
     x2 = as_int32_pairs(x2)
     M = x2.shape[0]
     tm = 8 if M <= 8 else 16
@@ -566,6 +644,7 @@ def kbit_mma_matmul(
     return _launch(
         x2, qweight, scales, lut, out, N, bits, bias, tm, triton.cdiv(M, tm), warps=warps,
         chunk=chunk, ctas_per_sm=ctas_per_sm, copies=copies, pipe=pipe, maxnreg=maxnreg, wk=wk,
+        act=act,
     )  # fmt: skip
 
 
@@ -593,7 +672,7 @@ def grouped_lut_mma(
     x = as_int32_pairs(x)
     out = torch.empty(plan.num_rows, N, device=x.device, dtype=x.dtype)
     if plan.num_rows == 0 or plan.num_blocks == 0:
-        return out
+        return out if config.get("act") is None else out[:, : N // 2]
     group = (plan.block_expert, plan.block_row, plan.m_indptr, gather)
     return _launch(
         x, qweight, scales, lut, out, N, 4, bias, plan.block_m, plan.num_blocks, group=group,

@@ -468,9 +468,12 @@ def _sum_k_slices(accs, W: gl.constexpr, WK: gl.constexpr, TM: gl.constexpr, LR:
 
 
 @gluon.jit
-def _reduced_tok_n(WB: gl.constexpr, TM: gl.constexpr, LS: gl.constexpr):
-    """``tok`` and ``n`` (j and h included) of every element of ``_sum_k_slices``'s result."""
-    NACC: gl.constexpr = 4 * (TM // 8)
+def _reduced_tok_n(
+    WB: gl.constexpr, TM: gl.constexpr, LS: gl.constexpr, NJ: gl.constexpr = 4
+):  # fmt: skip
+    """``tok`` and ``n`` (j and h included) of every element of ``_sum_k_slices``'s result
+    (``NJ`` < 4: of its accumulators j < NJ only)."""
+    NACC: gl.constexpr = NJ * (TM // 8)
     a = gl.arange(0, NACC, layout=gl.SliceLayout(1, gl.SliceLayout(2, LS)))
     b = gl.arange(0, WB, layout=gl.SliceLayout(0, gl.SliceLayout(2, LS)))
     e = gl.arange(0, 128, layout=gl.SliceLayout(0, gl.SliceLayout(1, LS)))

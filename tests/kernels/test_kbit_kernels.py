@@ -477,8 +477,8 @@ def test_gpu_gated_epilogue_matches_the_separate_activation(
     ``act`` the mma kernel activates each block's gate and up halves in its epilogue where the
     CTA holds the whole K (Qwen3-8B's gate_up; a small K), and the separate kernel runs after
     it where K is split across CTAs or K = 3, 5 (``fused_at_decode`` False) and past the mma
-    sizes (M = 33, 300). Against the float64 GEMM then the activation, and against the unfused kernel
-    then the separate activation (the same sums and roundings)."""
+    sizes (M = 33, 300). Against the float64 GEMM then the activation, and against the
+    unfused kernel then the separate activation (the same sums and roundings)."""
     from quantfw.kernels import fused as F
     from quantfw.kernels.kbit.triton import dispatch
 
@@ -508,13 +508,9 @@ def test_gpu_gated_epilogue_matches_the_separate_activation(
         if cfg[0] == "mma":  # the same GEMM unfused, then the separate kernel
             plain = dispatch.gemm(x, w, il(bias), cfg)
             two = act(plain, kbit.GATED_GROUP)
-            assert (got.float() - two.float()).abs().max().item() <= 2 * _ulp(dtype) * (
-                two.float().abs().max().item()
-            ), f"bits={bits} M={M} {dtype} {act}: fused and separate differ"
-
-
-def _ulp(dtype):
-    return torch.finfo(dtype).eps
+            worst = (got.float() - two.float()).abs().max().item()
+            limit = 2 * torch.finfo(dtype).eps * two.float().abs().max().item()
+            assert worst <= limit, f"bits={bits} M={M} {dtype} {act}: fused and separate differ"
 
 
 @gpu

@@ -25,19 +25,21 @@ def rms_norm(
     return out if residual is None else (out, x)
 
 
+def _swap_outer(t: torch.Tensor, dim: int, a: int, b: int, group: int) -> torch.Tensor:
+    """`t` with `dim` read as [a, b, group] rewritten as [b, a, group]."""
+    dim = dim % t.ndim
+    return t.unflatten(dim, (a, b, group)).transpose(dim, dim + 1).flatten(dim, dim + 2)
+
+
 def interleave_gate_up(t: torch.Tensor, group: int, dim: int = 0) -> torch.Tensor:
     """A gated pair's ``[gate (d) | up (d)]`` along `dim` (weight rows, bias, or output columns)
     -> d / group groups of `group` gate entries, each followed by its `group` up entries."""
-    dim = dim % t.ndim
-    d = t.shape[dim] // 2
-    return t.unflatten(dim, (2, d // group, group)).transpose(dim, dim + 1).flatten(dim, dim + 2)
+    return _swap_outer(t, dim, 2, t.shape[dim] // (2 * group), group)
 
 
 def deinterleave_gate_up(t: torch.Tensor, group: int, dim: int = -1) -> torch.Tensor:
     """The inverse of `interleave_gate_up`."""
-    dim = dim % t.ndim
-    d = t.shape[dim] // 2
-    return t.unflatten(dim, (d // group, 2, group)).transpose(dim, dim + 1).flatten(dim, dim + 2)
+    return _swap_outer(t, dim, t.shape[dim] // (2 * group), 2, group)
 
 
 def gate_and_up(x: torch.Tensor, interleave: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

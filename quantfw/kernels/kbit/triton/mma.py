@@ -555,11 +555,12 @@ def plan(
 
 
 def _launch(
-    x2, qweight, scales, lut, out, N, bits, bias, tm, token_tiles, *, group=None, ue8m0=False,
+    x2, qweight, scales, lut, rows, N, bits, bias, tm, token_tiles, *, group=None, ue8m0=False,
     planned_tiles=None, warps=4, chunk=4, ctas_per_sm=4, copies=1, pipe=False, maxnreg=None,
     wk=None, act=None,
 ):  # fmt: skip
-    """One launch of `kbit_mma_kernel` over ``token_tiles`` tiles of ``tm`` tokens (the split
+    """One launch of `kbit_mma_kernel` over ``token_tiles`` tiles of ``tm`` tokens, into a new
+    output of ``rows`` rows in x's dtype (the split
     along K planned for ``planned_tiles`` of them, default all); ``group``: (block_expert,
     block_row, m_indptr, gather or None) of a grouped GEMM over the leading (expert) dim of
     qweight / scales / bias; ``wk``: warps per 64-column block, splitting its chunks (None: all
@@ -584,8 +585,7 @@ def _launch(
     fn, interleave = act if act is not None else (None, 0)
     fuse = fn is not None and interleave == GATED_GROUP and bits in GATED_BITS
     fuse = fuse and wk > 1 and split == 1
-    if fuse:
-        out = torch.empty(out.shape[0], N // 2, device=out.device, dtype=out.dtype)
+    out = torch.empty(rows, N // 2 if fuse else N, device=x2.device, dtype=x2.dtype)
     ws, cnt = _workspace(x2.device, token_tiles * tm * n_pad if split > 1 else 1, tiles)
     grouped = group is not None
     block_expert, block_row, m_indptr, gather = group if grouped else (out, out, out, None)
@@ -640,9 +640,8 @@ def kbit_mma_matmul(
     x2 = as_int32_pairs(x2)
     M = x2.shape[0]
     tm = 8 if M <= 8 else 16
-    out = torch.empty(M, N, device=x2.device, dtype=x2.dtype)
     return _launch(
-        x2, qweight, scales, lut, out, N, bits, bias, tm, triton.cdiv(M, tm), warps=warps,
+        x2, qweight, scales, lut, M, N, bits, bias, tm, triton.cdiv(M, tm), warps=warps,
         chunk=chunk, ctas_per_sm=ctas_per_sm, copies=copies, pipe=pipe, maxnreg=maxnreg, wk=wk,
         act=act,
     )  # fmt: skip
@@ -670,11 +669,11 @@ def grouped_lut_mma(
     if plan.block_m not in (8, 16):
         raise ValueError(f"grouped_lut_mma: row blocks of 8 or 16, got {plan.block_m}")
     x = as_int32_pairs(x)
-    out = torch.empty(plan.num_rows, N, device=x.device, dtype=x.dtype)
     if plan.num_rows == 0 or plan.num_blocks == 0:
-        return out if config.get("act") is None else out[:, : N // 2]
+        width = N if config.get("act") is None else N // 2
+        return torch.empty(plan.num_rows, width, device=x.device, dtype=x.dtype)
     group = (plan.block_expert, plan.block_row, plan.m_indptr, gather)
     return _launch(
-        x, qweight, scales, lut, out, N, 4, bias, plan.block_m, plan.num_blocks, group=group,
-        ue8m0=ue8m0, planned_tiles=plan.min_blocks, **config,
+        x, qweight, scales, lut, plan.num_rows, N, 4, bias, plan.block_m, plan.num_blocks,
+        group=group, ue8m0=ue8m0, planned_tiles=plan.min_blocks, **config,
     )  # fmt: skip

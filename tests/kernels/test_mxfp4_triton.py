@@ -28,6 +28,61 @@ def test_kernels_under_the_interpreter():
     assert "FAIL" not in proc.stdout and proc.stdout.count("ok ") >= 9
 
 
+def test_bf16_word_decode_matches_the_reference_for_every_code_and_scale():
+    """The algorithm of the bf16 dequantize PTX (`e2m1_words_bf16`): every code in every
+    position of a word, under every UE8M0 byte (inf at s = 255, subnormals at s <= 1), bit for
+    bit against `mxfp4.dequantize`."""
+    from quantfw.kernels.mxfp4.triton.dequantize import e2m1_words_bf16
+
+    s = torch.arange(256).repeat_interleave(16)
+    codes = torch.stack([(torch.arange(16).repeat(256) + 3 * i) % 16 for i in range(8)], -1)
+    words = sum(codes[:, i] << (4 * i) for i in range(8))
+    blocks = torch.zeros(len(s), 1, 16, dtype=torch.uint8)
+    blocks[:, 0, :4] = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    ref = mxfp4.dequantize(blocks, s.to(torch.uint8)[:, None], torch.bfloat16)[:, :8]
+    assert torch.isinf(ref).any() and (ref == 0).any()
+    assert torch.equal(e2m1_words_bf16(words, s).view(torch.int16), ref.view(torch.int16))
+
+
+def test_default_config_by_rows_per_expert():
+    """Decode: the lookup kernel; a few rows: the swapped Triton kernel; prefill: dequantized
+    experts and the dense kernel, with 256-column tiles on sm_90 from 512 rows per expert."""
+    pytest.importorskip("triton")
+    from quantfw.kernels.mxfp4.triton.grouped_gemm import default_config
+
+    def cfg(tokens, **kw):
+        return default_config(4 * tokens, 32, 5760, 2880, **kw)
+
+    assert cfg(1)["LUT"] and cfg(16, hopper=True)["LUT"] and not cfg(1, mxfp4=False).get("LUT")
+    assert cfg(256)["SWAP"] and not cfg(256).get("DEQUANT")
+    for tokens, hopper, width in ((2048, True, 128), (4096, True, 256), (4096, False, 128)):
+        c = cfg(tokens, hopper=hopper)
+        assert c["DEQUANT"] and c["BLOCK_N"] == width, (tokens, hopper, c)
+    assert not cfg(4096, mxfp4=False, hopper=True)["DEQUANT"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_gpu_dequantize_kernel_is_bitwise(dtype):
+    """The experts' dequantize kernel (bf16: the PTX word decode; others: per nibble) against
+    `mxfp4.dequantize`, bit for bit, with every UE8M0 byte present; K = 2880 ends inside a quad,
+    N = 200 inside a row tile. The output is NaN-filled first, so an unwritten element fails."""
+    pytest.importorskip("triton")
+    from quantfw.kernels.mxfp4 import grouped
+    from quantfw.kernels.mxfp4.triton import dequantize as deq
+
+    g = torch.Generator(device="cuda").manual_seed(13)
+    blocks, scales = mxfp4.quantize(torch.randn(3, 200, 2880, generator=g, device="cuda"))
+    scales.view(-1)[:256] = torch.arange(256, dtype=torch.uint8, device="cuda")
+    scales.view(-1)[256:] = torch.randint(0, 256, (scales.numel() - 256,), generator=g,
+                                          device="cuda", dtype=torch.int32).to(torch.uint8)  # fmt: skip
+    got = torch.full(blocks.shape[:2] + (2880,), float("nan"), dtype=dtype, device="cuda")
+    deq.dequantize(grouped.Mxfp4Weights.pack(blocks, scales), dtype, out=got)
+    ref = mxfp4.dequantize(blocks, scales, dtype)
+    bits = {torch.float32: torch.int32}.get(dtype, torch.int16)
+    assert torch.equal(got.view(bits), ref.view(bits))
+
+
 _WEIGHTS: dict = {}
 
 

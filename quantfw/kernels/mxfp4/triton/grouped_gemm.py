@@ -173,6 +173,8 @@ def _grouped_gemm_kernel(
 #: from which it dequantizes the experts for a dense tensor-core grouped GEMM (prefill)
 LUT_MAX_ROWS_PER_EXPERT = 16
 DEQUANT_MIN_ROWS_PER_EXPERT = 64
+#: rows per expert from which prefill's dense tiles are 256 columns wide on sm_90
+WIDE_MIN_ROWS_PER_EXPERT = 512
 #: the lookup mma kernel's options (`kbit.triton.mma.kbit_mma_matmul`) at decode
 LUT_OPTIONS = {"copies": 32, "ctas_per_sm": 3, "chunk": 4}
 
@@ -184,12 +186,13 @@ def default_config(
     k: int,
     mxfp4: bool = True,
     dtype: torch.dtype = torch.bfloat16,
+    hopper: bool = False,
 ) -> dict:
     """A kernel configuration for `rows` sorted rows of `dtype` over `num_experts` experts of
     [n, k] (picked by rows per expert from the H200 measurements in benchmarks/results/mxfp4/;
     `benchmarks/bench_mxfp4.py --sweep` times others). ``LUT``: the lookup mma kernel (MXFP4,
     fp16/bf16), row blocks of 8 or 16; ``DEQUANT``: MXFP4 experts are dequantized, then the
-    dense kernel runs."""
+    dense kernel runs. `hopper`: the device is sm_90 (wider tiles for long prefills)."""
     per_expert = rows / max(1, min(rows, num_experts))
     lut = mxfp4 and dtype in (torch.float16, torch.bfloat16)
     if lut and per_expert <= LUT_MAX_ROWS_PER_EXPERT:
@@ -200,8 +203,12 @@ def default_config(
     if per_expert < DEQUANT_MIN_ROWS_PER_EXPERT:
         return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3,
                 "SWAP": True}  # fmt: skip
-    return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3,
-            "DEQUANT": mxfp4}  # fmt: skip
+    # sm_90 from 512 rows per expert: 256-column tiles (144 KB of shared memory) were 3% (512
+    # rows) and 14% (1024) faster than 128 on GPT-OSS-20B's experts, 2% slower at 64-256 rows
+    # (benchmarks/mxfp4-lab-log.md §15)
+    wide = hopper and per_expert >= WIDE_MIN_ROWS_PER_EXPERT
+    return {"BLOCK_M": 128, "BLOCK_N": 256 if wide else 128, "BLOCK_K": 64, "num_warps": 8,
+            "num_stages": 3, "DEQUANT": mxfp4}  # fmt: skip
 
 
 _LUTS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}

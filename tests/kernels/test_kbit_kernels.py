@@ -227,12 +227,12 @@ _MMA_SIGNATURE = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("bits,tm,copies,mxfp4,wk,act", [
-    (4, 8, 32, False, 4, 0), (2, 16, 1, False, 4, 1), (3, 8, 32, False, 1, 0),
-    (5, 16, 8, False, 2, 0), (4, 8, 32, True, 4, 2), (4, 16, 16, True, 1, 0),
-    (4, 16, 32, False, 4, 1),
+@pytest.mark.parametrize("bits,tm,copies,mxfp4,wk,act,late", [
+    (4, 8, 32, False, 4, 0, False), (2, 16, 1, False, 4, 1, False), (3, 8, 32, False, 1, 0, False),
+    (5, 16, 8, False, 2, 0, False), (4, 8, 32, True, 4, 2, False), (4, 16, 16, True, 1, 0, False),
+    (4, 16, 32, False, 4, 1, False), (5, 8, 8, False, 4, 1, True), (3, 8, 32, False, 4, 1, True),
 ])  # fmt: skip
-def test_mma_kernel_compiles_for_sm90_without_a_gpu(bits, tm, copies, mxfp4, wk, act):
+def test_mma_kernel_compiles_for_sm90_without_a_gpu(bits, tm, copies, mxfp4, wk, act, late):
     """The Gluon kernel (inline PTX, which no interpreter runs) through Triton's bundled
     ptxas: its table is the largest shared-memory allocation (``wk`` > 1: padded to the size
     of the warps' partial sums, which reuse it after the loop), so it starts at ``global_smem``.
@@ -241,7 +241,8 @@ def test_mma_kernel_compiles_for_sm90_without_a_gpu(bits, tm, copies, mxfp4, wk,
     weights and scales and fills its table before its wait, a grouped one waits before its
     first load (its row blocks come from the sort kernels). ``act``: a gated pair's
     activation in the epilogue (no split across CTAs; its two halves of the warps' sums take
-    the same shared memory), exp once per output and no atomics."""
+    the same shared memory), exp once per output and no atomics. ``late``: the next kernel's
+    launch is released only after the last mma (a fused launch of more than one wave)."""
     pytest.importorskip("triton")
     from aot import compile_for_sm90
 
@@ -249,7 +250,8 @@ def test_mma_kernel_compiles_for_sm90_without_a_gpu(bits, tm, copies, mxfp4, wk,
 
     consts = dict(W=4, CH=4, TM=tm, SPLIT=1 if act else 2, COPIES=copies, BITS=bits,
                   PIPE=False, MASK_N=True, MASK_K=True, HAS_BIAS=True, IS_BF16=bits == 2,
-                  UE8M0=mxfp4, GROUPED=mxfp4, GATHER=mxfp4, PDL=True, WK=wk, ACT=act)  # fmt: skip
+                  UE8M0=mxfp4, GROUPED=mxfp4, GATHER=mxfp4, PDL=True, WK=wk, ACT=act,
+                  LATE_RELEASE=late)  # fmt: skip
     kernel = compile_for_sm90(KM.kbit_mma_kernel, _MMA_SIGNATURE, consts, num_warps=4,
                               launch_pdl=True)  # fmt: skip
     entries = {2: 256, 3: 64, 4: 256, 5: 1024}[bits]
@@ -266,7 +268,11 @@ def test_mma_kernel_compiles_for_sm90_without_a_gpu(bits, tm, copies, mxfp4, wk,
     assert re.search(r"\bst(matrix)?\.[.\w]*shared", fill) and "global_smem" in fill
     release = ptx.index("griddepcontrol.launch_dependents")
     wait = ptx.index("griddepcontrol.wait")
-    assert ptx.count("griddepcontrol.wait") == 1 and release < ptx.index("ld.global")
+    assert ptx.count("griddepcontrol.wait") == 1 and ptx.count("launch_dependents") == 1
+    if late:
+        assert release > ptx.rindex("mma.sync")
+    else:
+        assert release < ptx.index("ld.global")
     if mxfp4:
         assert wait < ptx.index("ld.global")
     else:  # 8 weight (16 at K = 3, 5) and 2 scale loads per 4 blocks, the table, the wait
@@ -468,17 +474,20 @@ def test_gpu_configs_match_reference(bits, N, K, dtype):
 @gpu
 @pytest.mark.parametrize(
     "bits,inter,K,fused_at_decode",
-    [(4, 12288, 4096, True), (2, 640, 512, True), (5, 640, 512, False), (4, 3072, 4096, False)],
-)
+    [(4, 12288, 4096, True), (2, 640, 512, True), (3, 640, 512, False), (5, 12288, 4096, True),
+     (4, 3072, 4096, False)],
+)  # fmt: skip
 def test_gpu_gated_epilogue_matches_the_separate_activation(
     bits, inter, K, fused_at_decode, monkeypatch
 ):
     """A gated pair's rows interleaved in groups of 32 (`fused.interleave_gate_up`): with
     ``act`` the mma kernel activates each block's gate and up halves in its epilogue where the
     CTA holds the whole K (Qwen3-8B's gate_up; a small K), and the separate kernel runs after
-    it where K is split across CTAs or K = 3, 5 (``fused_at_decode`` False) and past the mma
-    sizes (M = 33, 300). Against the float64 GEMM then the activation, and against the
-    unfused kernel then the separate activation (the same sums and roundings)."""
+    it where K is split across CTAs or K = 3 (``fused_at_decode`` False: `SEPARATE_ACT_BITS`;
+    True once K = 3 passes here) and past the mma sizes (M = 33, 300); K = 5's Qwen3-8B gate_up
+    is more than one wave of CTAs (the late PDL release). Against the float64 GEMM then the
+    activation, and against the unfused kernel then the separate activation (the same sums and
+    roundings)."""
     from quantfw.kernels import fused as F
     from quantfw.kernels.kbit.triton import dispatch
 

@@ -72,9 +72,10 @@ from quantfw.kernels.w4a16.triton.mma import (
 #: elements per chunk of the K loop are CH blocks of 32; scales come as 4 blocks per word
 SCALE_BLOCKS = gl.constexpr(4)
 _ACT_CODES = {"silu": 1, "swiglu_oai": 2}
-#: bit widths whose gated pairs activate in the epilogue: K = 3, 5 (two CTAs per SM) measured
-#: no gain (K = 3) and a loss with PDL (K = 5), benchmarks/kbit-lab-log.md §15
-GATED_BITS = (2, 4)
+#: bit widths whose gated pairs keep the separate activation kernel: K = 3's epilogue (+15%
+#: end to end with the late release, benchmarks/kbit-lab-log.md §16) has not yet been checked
+#: on a GPU against the separate kernel (`test_gpu_gated_epilogue_matches_the_separate_activation`)
+SEPARATE_ACT_BITS = (3,)
 
 
 @constexpr_function
@@ -358,13 +359,15 @@ def kbit_mma_kernel(
     PDL: gl.constexpr = False,  # programmatic dependent launch (`common.pdl`)
     WK: gl.constexpr = 1,  # warps per 64-column block, splitting its chunks (summed in the CTA)
     ACT: gl.constexpr = 0,  # a gated pair (`_gated_epilogue`): 1 SiLU-and-mul, 2 GPT-OSS SwiGLU
+    LATE_RELEASE: gl.constexpr = False,  # PDL: let the next kernel launch once K is streamed
 ):
     L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [W, 1, 1], [2, 1, 0])
     EW: gl.constexpr = 2 if BITS == 2 else 1  # table words per entry
     NE: gl.constexpr = _table_entries(BITS)
     mt = gl.program_id(1)
     sp = gl.program_id(2)
-    pdl.release(PDL)
+    if not LATE_RELEASE:
+        pdl.release(PDL)
     if GROUPED:  # the token tile is rows row0 .. of one expert (written by the sort kernels)
         mt += pdl.wait(PDL)
         expert = gl.load(block_expert_ptr + mt)
@@ -466,6 +469,8 @@ def kbit_mma_kernel(
                 KBP, KBS, K2, CH, TM, BITS, MASK_K,
             )  # fmt: skip
     accs = _chunk(ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16, UE8M0)
+    if LATE_RELEASE:
+        pdl.release(PDL)
 
     tok, n = fragment_tok_n(c, g, r3, nb)
     if WK > 1:  # the WK warps of a block summed different chunks: add them up (`_sum_k_slices`)
@@ -570,21 +575,24 @@ def _launch(
     ``act``: (`fused.GatedAct`, interleave) for a gated pair whose rows are interleaved in
     groups of ``interleave`` (`fused.interleave_gate_up`): returns ``act`` of the output, [rows,
     N / 2], computed in the epilogue where the CTA holds a block's whole K (``interleave`` 32,
-    ``wk`` > 1, no split across CTAs, ``bits`` in `GATED_BITS`), else by the separate kernel."""
+    ``wk`` > 1, no split across CTAs, ``bits`` not in `SEPARATE_ACT_BITS`), else by the
+    separate kernel. With PDL, a fused dense launch of more CTAs than one wave
+    (``ctas_per_sm`` per SM) lets the next kernel launch only once each CTA has streamed its K:
+    launched earlier, the next GEMM's CTAs slowed the last wave (benchmarks/kbit-lab-log.md
+    §16; grouped MXFP4 launches keep the early release, not measured)."""
     _check_options(bits, chunk, copies)
     K = x2.shape[1]
     n_pad, kbp = qweight.shape[-2], qweight.shape[-1] // bits
     NB = n_pad // 64
     wk = warps if wk is None else wk
     planned = max(1, planned_tiles or token_tiles)
-    wb, split, n_iter = plan(
-        NB, kbp, planned, splitk.num_sms(x2.device), warps, wk, chunk, ctas_per_sm
-    )
+    sms = splitk.num_sms(x2.device)
+    wb, split, n_iter = plan(NB, kbp, planned, sms, warps, wk, chunk, ctas_per_sm)
     tiles = triton.cdiv(NB, wb) * token_tiles
     grid = (triton.cdiv(NB, wb), token_tiles, split)
     fn, interleave = act if act is not None else (None, 0)
-    fuse = fn is not None and interleave == GATED_GROUP and bits in GATED_BITS
-    fuse = fuse and wk > 1 and split == 1
+    fuse = fn is not None and interleave == GATED_GROUP and wk > 1 and split == 1
+    fuse = fuse and bits not in SEPARATE_ACT_BITS
     out = torch.empty(rows, N // 2 if fuse else N, device=x2.device, dtype=x2.dtype)
     ws, cnt = _workspace(x2.device, token_tiles * tm * n_pad if split > 1 else 1, tiles)
     grouped = group is not None
@@ -604,6 +612,7 @@ def _launch(
         HAS_BIAS=has_bias, IS_BF16=x2.dtype == torch.bfloat16, UE8M0=ue8m0,
         GROUPED=grouped, GATHER=gather is not None,
         ACT=_ACT_CODES[fn.kind] if fuse else 0, num_warps=warps,
+        LATE_RELEASE=fuse and not grouped and tiles > ctas_per_sm * sms,
         **pdl.launch_options(pdl.enabled(x2.device)),
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )  # fmt: skip

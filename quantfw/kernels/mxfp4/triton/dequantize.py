@@ -3,12 +3,12 @@ on tensor cores), from the runtime layout of `mxfp4.layout`, in input order.
 
 A program decodes whole int32 words of ``qweight``: word ``16 q + 4 j + r`` of a row holds the
 8 consecutive inputs ``128 q + 32 r + 8 j + (0..7)`` of block ``4 q + r`` as nibbles, lowest
-first, so each word becomes 16 contiguous output bytes; the words are loaded in input order
-(a permutation within each quad's 64 bytes), so a row's stores are contiguous. For bfloat16 the word is decoded two
-values per instruction by `E2M1_WORD_BF16_ASM` (`e2m1_words_bf16` is the same algorithm in
-Python); other dtypes (and Triton's interpreter) decode each nibble with the grouped GEMM's
-float32 arithmetic. Either way each value is ``ldexp(e2m1, s - 127)`` rounded once, as
-`mxfp4.dequantize` computes it.
+first, so each word becomes 16 contiguous output bytes. The words are loaded in input order (a
+permutation within each quad's 64 bytes), so a row's stores are contiguous. For bfloat16 a
+word is decoded two values per instruction by `E2M1_WORD_BF16_ASM` (`e2m1_words_bf16` is the
+same algorithm in torch); other dtypes (and Triton's interpreter) decode each nibble with the
+grouped GEMM's float32 arithmetic. Either way each value is ``ldexp(e2m1, s - 127)`` rounded
+once, as `mxfp4.dequantize` computes it.
 """
 
 from __future__ import annotations

@@ -136,11 +136,10 @@ def prefill_ms(engine, prompt_len: int) -> float:
     return min(times)
 
 
-def profile_steps(
-    engine, batch: int, steps: int = 20, prompts: list[list[int]] | None = None
-) -> dict[str, float]:
-    """GPU microseconds per decode step by kernel kind; every sequence's prompt is tokens
-    100..227 unless `prompts` (one per sequence) are given."""
+def profiled_decode(engine, batch: int, steps: int, prompts: list[list[int]] | None = None):
+    """torch.profiler (CUDA activity) of `steps` decode steps of a batch, after its prefill and
+    a few decode steps; every sequence's prompt is tokens 100..227 unless `prompts` (one per
+    sequence) are given. The requests run to their end afterwards."""
     from torch.profiler import ProfilerActivity, profile
 
     from quantfw.engine import SamplingParams
@@ -157,6 +156,14 @@ def profile_steps(
         torch.cuda.synchronize()
     while engine.has_unfinished():
         engine.step()
+    return prof
+
+
+def profile_steps(
+    engine, batch: int, steps: int = 20, prompts: list[list[int]] | None = None
+) -> dict[str, float]:
+    """GPU microseconds per decode step by kernel kind (`profiled_decode`)."""
+    prof = profiled_decode(engine, batch, steps, prompts)
     by_kind: dict[str, float] = defaultdict(float)
     names: dict[str, float] = defaultdict(float)
     for evt in prof.key_averages():

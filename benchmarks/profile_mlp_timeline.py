@@ -21,7 +21,6 @@ import sys
 import tempfile
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
 import profile_decode  # noqa: E402
@@ -60,7 +59,7 @@ def mlp_timeline(events) -> list[dict[str, float]]:
 
 
 def run_mode(root: str, bits: int, mode: str, layers: int, steps: int) -> None:
-    from quantfw.engine import LLMEngine, SamplingParams
+    from quantfw.engine import LLMEngine
     from quantfw.kernels.kbit.triton import mma
 
     committed = mma.SEPARATE_ACT_BITS
@@ -74,17 +73,7 @@ def run_mode(root: str, bits: int, mode: str, layers: int, steps: int) -> None:
         )  # fmt: skip
         rates = [profile_decode.decode_rate(engine, 1, 128, 64) for _ in range(3)]
         print(f"{mode}: decode tok/s {[round(r, 1) for r in rates]}", flush=True)
-        params = SamplingParams(temperature=0, max_tokens=steps + 16, ignore_eos=True)
-        engine.add_request(list(range(100, 228)), params)
-        for _ in range(6):  # prefill and a few decode steps
-            engine.step()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                engine.step()
-            torch.cuda.synchronize()
-        while engine.has_unfinished():
-            engine.step()
+        prof = profile_decode.profiled_decode(engine, 1, steps)
     finally:
         mma.SEPARATE_ACT_BITS = committed
     kernels = [

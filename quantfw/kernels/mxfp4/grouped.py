@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quantfw.kernels.common import cuda_capability, triton_available
+from quantfw.kernels.common import is_sm90, triton_available
 from quantfw.kernels.moe.sort import block_schedule, combine, single_group, sort_by_expert
 from quantfw.kernels.mxfp4 import layout
 
@@ -79,10 +79,6 @@ def gpu_device(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (8, 0) and triton_available()
 
 
-def _hopper(device: torch.device) -> bool:
-    return device.type == "cuda" and cuda_capability(device) == (9, 0)
-
-
 def gpu_available(x: torch.Tensor) -> bool:
     """Whether the Triton grouped GEMMs serve activations `x`: fp16/bf16 (fp32 runs
     full-precision dots, for checks) on a `gpu_device`."""
@@ -116,7 +112,7 @@ def moe_forward(
     rows = topk_ids.numel()
     mx = isinstance(w13, Mxfp4Weights)
     cfg = config or grouped_gemm.default_config(
-        rows, num_experts, *w13.shape[1:], mxfp4=mx, dtype=x.dtype, hopper=_hopper(x.device)
+        rows, num_experts, *w13.shape[1:], mxfp4=mx, dtype=x.dtype, hopper=is_sm90(x.device)
     )
     if cfg.get("DEQUANT") and mx:  # prefill: dense tensor-core GEMMs over dequantized experts
         w13, w2 = dequantize_dense(w13, x.dtype), dequantize_dense(w2, x.dtype)
@@ -156,7 +152,7 @@ def linear(x: torch.Tensor, w: Mxfp4Weights, bias: torch.Tensor | None) -> torch
     x2 = x.reshape(-1, x.shape[-1])
     weights = w.grouped()
     cfg = grouped_gemm.default_config(
-        x2.shape[0], 1, w.n, w.k, dtype=x.dtype, hopper=_hopper(x.device)
+        x2.shape[0], 1, w.n, w.k, dtype=x.dtype, hopper=is_sm90(x.device)
     )
     if cfg.get("DEQUANT"):
         d = dequantize_dense(weights, x.dtype).weight[0]

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from quantfw.kernels.common import is_sm90
 from quantfw.kernels.common.timing import fastest_config
 from quantfw.kernels.w4a16.configs import candidate_configs, default_config, m_bucket
 from quantfw.kernels.w4a16.layout import dequantize_packed
@@ -191,14 +192,16 @@ def _run(x2, packed, bias, cfg):
 try:  # Gluon's Hopper API (TMA, wgmma) is missing from older Tritons
     from triton.experimental.gluon.language.nvidia import hopper as _gluon_hopper  # noqa: F401
 
-    from quantfw.kernels.w4a16.triton.mma import is_sm90 as _is_sm90
+    import quantfw.kernels.w4a16.triton.mma  # noqa: F401
+
+    _GLUON_HOPPER = True
 except ImportError:
-    _is_sm90 = None
+    _GLUON_HOPPER = False
 
 
 def _is_hopper(x2) -> bool:
     """sm_90 and a Triton with Gluon's Hopper API: the ``ring`` and ``wg`` kernels can run."""
-    return _is_sm90 is not None and x2.is_cuda and _is_sm90(x2.device)
+    return _GLUON_HOPPER and is_sm90(x2.device)
 
 
 def _key(x2, packed):

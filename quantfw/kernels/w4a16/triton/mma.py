@@ -46,7 +46,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import constexpr_function
 from triton.experimental.gluon import language as gl
 
-from quantfw.kernels.common import cuda_capability, pdl, splitk
+from quantfw.kernels.common import pdl, splitk
 
 FP16_MAGIC = 0x64006400  # fp16 1024.0 in both halves: (magic | q) = 1024 + q
 BF16_MAGIC = 0x43004300  # bf16 128.0
@@ -644,11 +644,6 @@ _num_sms = splitk.num_sms
 _workspace = splitk.workspace
 _WORKSPACE = splitk.WORKSPACE
 split_plan = splitk.split_plan
-
-
-def is_sm90(device) -> bool:
-    """Hopper (sm_90): the TMA / wgmma kernels' target (other TMA GPUs have not run them)."""
-    return cuda_capability(device) == (9, 0)
 
 
 def plan(

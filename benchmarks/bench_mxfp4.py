@@ -28,6 +28,7 @@ import os
 import torch
 
 from quantfw.kernels import moe, mxfp4
+from quantfw.kernels.common import is_sm90
 from quantfw.kernels.common.timing import events_median, graph_times
 from quantfw.kernels.fused import swiglu_oai
 from quantfw.kernels.mxfp4 import grouped
@@ -47,7 +48,7 @@ DECODE_SWEEP = [
 PREFILL_SWEEP = [
     dict(BLOCK_M=bm, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, **kind)
     for bm, kind in itertools.product((64, 128), ({}, {"SWAP": True}, {"DEQUANT": True}))
-]
+] + [dict(BLOCK_M=bm, WGMMA=True, stages=s) for bm, s in ((64, 4), (128, 3), (128, 4), (256, 3))]
 
 
 def sweep_for(rows_per_expert: float, quantized: bool) -> list[dict]:
@@ -57,7 +58,9 @@ def sweep_for(rows_per_expert: float, quantized: bool) -> list[dict]:
         grid = LUT_SWEEP + DECODE_SWEEP
     else:
         grid = PREFILL_SWEEP
-    return [c for c in grid if quantized or not (c.get("LUT") or c.get("DEQUANT"))]
+    return [
+        c for c in grid if quantized or not (c.get("LUT") or c.get("DEQUANT") or c.get("WGMMA"))
+    ]
 
 
 def copy_bandwidth() -> float:
@@ -126,7 +129,9 @@ def bench_tokens(t: int, dtype, copies, dense, bw: float, sweep: bool) -> dict:
     row = {
         "tokens": t,
         "distinct_experts": distinct,
-        "default_config": grouped_gemm.default_config(t * TOP_K, E, 2 * INTER, H, dtype=dtype),
+        "default_config": grouped_gemm.default_config(
+            t * TOP_K, E, 2 * INTER, H, dtype=dtype, hopper=is_sm90(x.device)
+        ),
         "mxfp4_us": round(mx_us, 2),
         "bf16_us": round(bf_us, 2),
         "floor_us": round(floor_us, 2),

@@ -474,7 +474,7 @@ def test_gpu_configs_match_reference(bits, N, K, dtype):
 @gpu
 @pytest.mark.parametrize(
     "bits,inter,K,fused_at_decode",
-    [(4, 12288, 4096, True), (2, 640, 512, True), (3, 640, 512, False), (5, 12288, 4096, True),
+    [(4, 12288, 4096, True), (2, 640, 512, True), (3, 640, 512, True), (5, 12288, 4096, True),
      (4, 3072, 4096, False)],
 )  # fmt: skip
 def test_gpu_gated_epilogue_matches_the_separate_activation(
@@ -483,9 +483,8 @@ def test_gpu_gated_epilogue_matches_the_separate_activation(
     """A gated pair's rows interleaved in groups of 32 (`fused.interleave_gate_up`): with
     ``act`` the mma kernel activates each block's gate and up halves in its epilogue where the
     CTA holds the whole K (Qwen3-8B's gate_up; a small K), and the separate kernel runs after
-    it where K is split across CTAs or K = 3 (``fused_at_decode`` False: `SEPARATE_ACT_BITS`;
-    True once K = 3 passes here) and past the mma sizes (M = 33, 300); K = 5's Qwen3-8B gate_up
-    is more than one wave of CTAs (the late PDL release). Against the float64 GEMM then the
+    it where K is split across CTAs (``fused_at_decode`` False) and past the mma sizes (M =
+    33, 300); K = 5's Qwen3-8B gate_up is more than one wave of CTAs (the late PDL release). Against the float64 GEMM then the
     activation, and against the unfused kernel then the separate activation (the same sums and
     roundings)."""
     from quantfw.kernels import fused as F

@@ -4,6 +4,7 @@ the dequantize-per-expert reference, including CUDA-graph capture of a whole MoE
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -44,9 +45,80 @@ def test_bf16_word_decode_matches_the_reference_for_every_code_and_scale():
     assert torch.equal(e2m1_words_bf16(words, s).view(torch.int16), ref.view(torch.int16))
 
 
+def test_wgmma_fragment_order_is_the_activations_input_order():
+    """The Hopper wgmma kernel's A operand, emulated lane by lane on the CPU: lane c of row n
+    decodes word ``16 q + 4 c + r`` of the runtime layout (word c of block 4 q + r) and puts its
+    value ``e = 4 s + 2 h + b`` at k ``128 q + 32 r + 16 s + 8 h + 2 c + b``; that A is the
+    dequantized weight in `input_order`, so the kernel's sums are those of ``x @ W.T``."""
+    pytest.importorskip("triton")
+    from quantfw.kernels.mxfp4 import layout
+    from quantfw.kernels.mxfp4.triton.wgmma import input_order
+
+    g = torch.Generator().manual_seed(5)
+    n, k = 64, 352  # 11 blocks: the last quad is padded
+    blocks, scales = mxfp4.quantize(torch.randn(n, k, generator=g) * 0.05)
+    qweight, s = layout.pack(blocks, scales)
+    deq = mxfp4.dequantize(blocks, scales, torch.float64)
+    values = torch.tensor(mxfp4.FP4_VALUES, dtype=torch.float64)
+    a = torch.full((n, qweight.shape[1] * 8), float("nan"), dtype=torch.float64)
+    for q, c, r, e in itertools.product(
+        range(qweight.shape[1] // 16), range(4), range(4), range(8)
+    ):
+        word = qweight[:, 16 * q + 4 * c + r].long() & 0xFFFFFFFF
+        scale = torch.ldexp(torch.ones(n, dtype=torch.float64), s[:, 4 * q + r].double() - 127)
+        sh, hh, b = e // 4, (e // 2) % 2, e % 2
+        a[:, 128 * q + 32 * r + 16 * sh + 8 * hh + 2 * c + b] = values[(word >> 4 * e) & 15] * scale
+    assert torch.equal(a[:, :k], input_order(deq)) and not a[:, k:].any()
+    x = torch.randn(7, k, generator=g, dtype=torch.float64)
+    assert torch.allclose(input_order(x) @ a[:, :k].T, x @ deq.T, rtol=1e-12, atol=1e-12)
+    rows = torch.tensor([6, 0, 0, 3])
+    assert torch.equal(input_order(x, rows), input_order(x)[rows])
+
+
+def test_wgmma_kernel_compiles_for_sm90_without_a_gpu():
+    """The Gluon wgmma kernel through Triton's bundled ptxas for each tile height: two
+    asynchronous wgmma groups per stage (K = 64 each), the previous stage retired before its
+    slot is refilled, and the decoded A never staged through shared memory (every shared
+    store is the epilogue's, after the last wgmma; no shuffles)."""
+    pytest.importorskip("triton")
+    from aot import compile_for_sm90
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from quantfw.kernels.mxfp4.triton import wgmma
+
+    def desc_type(t, block, layout):
+        d = TensorDescriptor.from_tensor(t, block, layout)
+        return native_specialize_impl(BaseBackend, d, False, True, True)[0]
+
+    q = torch.zeros(128, 368, dtype=torch.int32)
+    w_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    for bt, stages, odd in ((64, 4, False), (128, 3, True), (256, 3, True)):
+        x = torch.zeros(256, 2880, dtype=torch.bfloat16)
+        x_layout = gl.NVMMASharedLayout.get_default_for([bt, 64], gl.bfloat16)
+        sig = {"x_desc": desc_type(x, [bt, 64], x_layout), "w_desc": desc_type(q, [128, 16], w_layout),
+               "s_ptr": "*i32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "block_expert_ptr": "*i32",
+               "block_row_ptr": "*i32", "m_indptr_ptr": "*i64", "N": "i32", "N_PAD": "i32",
+               "n_iter": "i32", "num_experts": "i32", "stride_be": "i32", "stride_om": "i32"}  # fmt: skip
+        consts = {"BT": bt, "S": stages, "ODD": odd, "HAS_BIAS": True}
+        kernel = compile_for_sm90(wgmma.mxfp4_wgmma_kernel, sig, consts, num_warps=8)
+        assert kernel.metadata.shared <= 227 * 1024
+        ptx = kernel.asm["ptx"]
+        copies = 3 if odd else 2  # the loop's pair of stages and the odd last one
+        assert ptx.count("wgmma.mma_async") == 8 * copies
+        assert ptx.count("wgmma.commit_group") == 2 * copies
+        assert ptx.count("wgmma.wait_group.sync.aligned 2;") == copies
+        assert "shfl" not in ptx
+        assert ptx.rindex("wgmma.mma_async") < ptx.index("st.shared")
+
+
 def test_default_config_by_rows_per_expert():
-    """Decode: the lookup kernel; a few rows: the swapped Triton kernel; prefill: dequantized
-    experts and the dense kernel, with 256-column tiles on sm_90 from 512 rows per expert."""
+    """Decode: the lookup kernel; past it on sm_90 with bf16: the wgmma kernel, its token tile
+    growing with the rows per expert; elsewhere a few rows: the swapped Triton kernel; prefill:
+    dequantized experts and the dense kernel, with 256-column tiles on sm_90 from 512 rows per
+    expert (fp16)."""
     pytest.importorskip("triton")
     from quantfw.kernels.mxfp4.triton.grouped_gemm import default_config
 
@@ -54,11 +126,19 @@ def test_default_config_by_rows_per_expert():
         return default_config(4 * tokens, 32, 5760, 2880, **kw)
 
     assert cfg(1)["LUT"] and cfg(16, hopper=True)["LUT"] and not cfg(1, mxfp4=False).get("LUT")
+    for tokens, bt in ((256, 64), (512, 128), (1024, 128), (2048, 256), (8192, 256)):
+        assert cfg(tokens, hopper=True) == {
+            "BLOCK_M": bt,
+            "WGMMA": True,
+            "stages": 4 if bt == 64 else 3,
+        }
     assert cfg(256)["SWAP"] and not cfg(256).get("DEQUANT")
+    half = torch.float16
     for tokens, hopper, width in ((2048, True, 128), (4096, True, 256), (4096, False, 128)):
-        c = cfg(tokens, hopper=hopper)
+        c = cfg(tokens, hopper=hopper, dtype=half)
         assert c["DEQUANT"] and c["BLOCK_N"] == width, (tokens, hopper, c)
     assert not cfg(4096, mxfp4=False, hopper=True)["DEQUANT"]
+    assert not cfg(4096, mxfp4=False, hopper=True).get("WGMMA")
 
 
 @pytest.mark.gpu
@@ -162,12 +242,21 @@ def test_gpu_moe_matches_reference(dtype, quantized, i):
         dict(BLOCK_M=8, LUT=True, copies=32, ctas_per_sm=3, chunk=4),
         dict(BLOCK_M=8, LUT=True, copies=1, ctas_per_sm=4, chunk=8, pipe=True),
         dict(BLOCK_M=16, LUT=True, copies=16, ctas_per_sm=2, chunk=4),
+        dict(BLOCK_M=64, WGMMA=True, stages=4),
+        dict(BLOCK_M=128, WGMMA=True, stages=3),
+        dict(BLOCK_M=256, WGMMA=True, stages=3),
     ],
 )
 def test_gpu_configs_agree(config):
     """Every kernel on one case: 200 tokens over 8 experts (many row blocks per expert), H = 288
-    and I = 224 (W2's N = 288 pads to whole column blocks, both K to whole quads)."""
+    and I = 224 (W2's N = 288 pads to whole column blocks, both K to whole quads; the wgmma
+    kernel's 128-column tiles end inside an expert's padding and W13 runs an odd quad)."""
     pytest.importorskip("triton")
+    if config.get("WGMMA"):
+        from quantfw.kernels.common import is_sm90
+
+        if not is_sm90(torch.device("cuda")):
+            pytest.skip("the wgmma kernel needs sm_90")
     case, ref = _moe_case(200, 8, 288, 224, 2, torch.bfloat16, True, seed=3)
     err = ((_run(case, config).float() - ref).abs().max() / ref.abs().max()).item()
     assert err <= 2e-2

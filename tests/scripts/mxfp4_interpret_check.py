@@ -43,6 +43,19 @@ def dequantize() -> None:
         check(f"expert dequantize kernel N={n} K={k}, bitwise", 0.0 if same else 1.0, 0.0)
 
 
+def input_order() -> None:
+    """The wgmma kernel's activation copy (gather + each block's 4 x 4 transpose of pairs)
+    against the torch permutation."""
+    from quantfw.kernels.mxfp4.triton import wgmma
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(9, 352, generator=g).to(torch.bfloat16)  # 11 blocks: a partial program
+    rows = torch.tensor([8, 0, 3, 3, 5])
+    for idx in (None, rows):
+        same = torch.equal(wgmma._input_order_triton(x, idx), wgmma.input_order(x, idx))
+        check(f"wgmma input order, gather={idx is not None}", 0.0 if same else 1.0, 0.0)
+
+
 def decode() -> None:
     packed = torch.arange(256, dtype=torch.uint8).repeat(256, 1)  # every byte, every scale
     scales = torch.arange(256, dtype=torch.uint8)
@@ -206,6 +219,7 @@ if __name__ == "__main__":
     router()
     align()
     decode()
+    input_order()
     dequantize()
     grouped_gemm()
     pipeline()

@@ -114,6 +114,11 @@ def moe_forward(
     cfg = config or grouped_gemm.default_config(
         rows, num_experts, *w13.shape[1:], mxfp4=mx, dtype=x.dtype, hopper=is_sm90(x.device)
     )
+    if cfg.get("WGMMA") and mx:  # prefill on sm_90: experts decoded into wgmma's A operand
+        return _moe_forward_wgmma(
+            x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias, activation, cfg,
+            gate_up_interleave,
+        )  # fmt: skip
     if cfg.get("DEQUANT") and mx:  # prefill: dense tensor-core GEMMs over dequantized experts
         w13, w2 = dequantize_dense(w13, x.dtype), dequantize_dense(w2, x.dtype)
     small = fused.align_fits(rows, num_experts)  # decode: one launch each for sort and combine
@@ -136,6 +141,23 @@ def moe_forward(
     return fused.combine(y, sort, topk_weights) if small else combine(y, sort, topk_weights)
 
 
+def _moe_forward_wgmma(
+    x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias, activation, cfg, gate_up_interleave
+) -> torch.Tensor:
+    """`moe_forward` through the Hopper wgmma kernel (`triton.wgmma`): W13 reads the sorted
+    rows gathered in its input order, W2 the activated rows copied into it."""
+    from quantfw.kernels.mxfp4.triton import wgmma
+
+    sort = sort_by_expert(topk_ids, w13.shape[0])
+    plan = block_schedule(sort.m_indptr, topk_ids.numel(), cfg["BLOCK_M"], topk_ids.shape[-1])
+    stages = cfg.get("stages", wgmma.DEFAULT_STAGES)
+    xs = wgmma.input_order(x.contiguous(), sort.token_index)
+    h = wgmma.grouped_gemm(xs, w13, plan, bias=w13_bias, stages=stages)
+    a = activation(h, gate_up_interleave) if gate_up_interleave else activation(h)
+    y = wgmma.grouped_gemm(wgmma.input_order(a), w2, plan, bias=w2_bias, stages=stages)
+    return combine(y, sort, topk_weights)
+
+
 def dequantize_dense(w: ExpertWeights, dtype: torch.dtype) -> DenseWeights:
     """`w` as `DenseWeights` in `dtype` (MXFP4 weights decoded on the GPU)."""
     if isinstance(w, DenseWeights):
@@ -154,6 +176,16 @@ def linear(x: torch.Tensor, w: Mxfp4Weights, bias: torch.Tensor | None) -> torch
     cfg = grouped_gemm.default_config(
         x2.shape[0], 1, w.n, w.k, dtype=x.dtype, hopper=is_sm90(x.device)
     )
+    if cfg.get("WGMMA"):
+        from quantfw.kernels.mxfp4.triton import wgmma
+
+        plan = single_group(x2.shape[0], cfg["BLOCK_M"], x.device)
+        b = None if bias is None else bias.unsqueeze(0)
+        xs = wgmma.input_order(x2.contiguous())
+        out = wgmma.grouped_gemm(
+            xs, weights, plan, bias=b, stages=cfg.get("stages", wgmma.DEFAULT_STAGES)
+        )
+        return out.view(*x.shape[:-1], w.n)
     if cfg.get("DEQUANT"):
         d = dequantize_dense(weights, x.dtype).weight[0]
         return torch.nn.functional.linear(x, d, bias)

@@ -72,10 +72,9 @@ from quantfw.kernels.w4a16.triton.mma import (
 #: elements per chunk of the K loop are CH blocks of 32; scales come as 4 blocks per word
 SCALE_BLOCKS = gl.constexpr(4)
 _ACT_CODES = {"silu": 1, "swiglu_oai": 2}
-#: bit widths whose gated pairs keep the separate activation kernel: K = 3's epilogue (+15%
-#: end to end with the late release, benchmarks/kbit-lab-log.md §16) has not yet been checked
-#: on a GPU against the separate kernel (`test_gpu_gated_epilogue_matches_the_separate_activation`)
-SEPARATE_ACT_BITS = (3,)
+#: bit widths whose gated pairs keep the separate activation kernel (none: every K's epilogue
+#: is checked against it by `test_gpu_gated_epilogue_matches_the_separate_activation`)
+SEPARATE_ACT_BITS: tuple[int, ...] = ()
 
 
 @constexpr_function

@@ -24,27 +24,38 @@ BLOCK_N, BLOCK_W, NUM_WARPS = 8, 128, 4
 #: bf16x2 constants: 2**127, and -0.0 as the FMA addend (x * y + -0.0 keeps the sign of zero)
 _BF16_2P127, _BF16_NEG_ZERO = 0x7F007F00, 0x80008000
 
-# $0..$3: the word's values (0, 1), (2, 3), (4, 5), (6, 7) as bf16 pairs; $4: the word; $5: the
-# UE8M0 byte s. Each 16-bit half of q holds a code in its top nibble (bits 12..15): its sign
-# stays at bit 15 and its magnitude bits move under bf16's exponent field (bits 6..8), which is
-# the bf16 of value * 2**-126 (codes 0, 1 as subnormals); shifting q left by 4 brings the next
-# pair (codes i and i + 4 of the word, i = 3, 2, 1, 0). Each pair is multiplied by 2**127 and by
-# 2**(s - 128) (both exact bf16 numbers, s = 0, 1 subnormal), so the product rounds once as
-# float32's (2 * value) * 2**(s - 128) does; prmt then puts the values back in input order.
-E2M1_WORD_BF16_ASM = tl.constexpr(
-    "{ .reg .b32 q, s, t, u, r0, r1, r2, r3, big, nz; .reg .pred p;\n"
-    "mov.b32 q, $4;\n"
-    "sub.u32 t, $5, 1; shl.b32 t, t, 7; mov.b32 u, 0x20; shl.b32 u, u, $5;\n"
-    "setp.lt.u32 p, $5, 2; selp.b32 t, u, t, p; prmt.b32 s, t, 0, 0x1010;\n"
-    f"mov.b32 big, {_BF16_2P127:#x}; mov.b32 nz, {_BF16_NEG_ZERO:#x};\n"
-    + "".join(
-        f"and.b32 t, q, 0x70007000; shr.u32 t, t, 6; and.b32 u, q, 0x80008000; or.b32 r{i}, t, u;"
-        f" shl.b32 q, q, 4; fma.rn.bf16x2 r{i}, r{i}, big, nz; fma.rn.bf16x2 r{i}, r{i}, s, nz;\n"
-        for i in (3, 2, 1, 0)
+
+def e2m1_word_bf16_asm(word: int, scale: int) -> str:
+    """Inline PTX decoding one int32 word of 8 E2M1 codes (operand ``$word``) under its UE8M0
+    byte s (``$scale``) into the bf16 pairs of values (0, 1), (2, 3), (4, 5), (6, 7) in
+    ``$0..$3``.
+
+    Each 16-bit half of q holds a code in its top nibble (bits 12..15): its sign stays at bit
+    15 and its magnitude bits move under bf16's exponent field (bits 6..8), which is the bf16 of
+    value * 2**-126 (codes 0, 1 as subnormals); shifting q left by 4 brings the next pair (codes
+    i and i + 4 of the word, i = 3, 2, 1, 0). Each pair is multiplied by 2**127 and by 2**(s -
+    128) (both exact bf16 numbers, s = 0, 1 subnormal), so the product rounds once as float32's
+    (2 * value) * 2**(s - 128) does; prmt then puts the values back in input order."""
+    s = f"${scale}"
+    return (
+        "{ .reg .b32 q, s, t, u, r0, r1, r2, r3, big, nz; .reg .pred p;\n"
+        f"mov.b32 q, ${word};\n"
+        f"sub.u32 t, {s}, 1; shl.b32 t, t, 7; mov.b32 u, 0x20; shl.b32 u, u, {s};\n"
+        f"setp.lt.u32 p, {s}, 2; selp.b32 t, u, t, p; prmt.b32 s, t, 0, 0x1010;\n"
+        f"mov.b32 big, {_BF16_2P127:#x}; mov.b32 nz, {_BF16_NEG_ZERO:#x};\n"
+        + "".join(
+            f"and.b32 t, q, 0x70007000; shr.u32 t, t, 6; and.b32 u, q, 0x80008000;"
+            f" or.b32 r{i}, t, u; shl.b32 q, q, 4; fma.rn.bf16x2 r{i}, r{i}, big, nz;"
+            f" fma.rn.bf16x2 r{i}, r{i}, s, nz;\n"
+            for i in (3, 2, 1, 0)
+        )
+        + "prmt.b32 $0, r0, r1, 0x5410; prmt.b32 $1, r2, r3, 0x5410;\n"
+        "prmt.b32 $2, r0, r1, 0x7632; prmt.b32 $3, r2, r3, 0x7632; }"
     )
-    + "prmt.b32 $0, r0, r1, 0x5410; prmt.b32 $1, r2, r3, 0x5410;\n"
-    "prmt.b32 $2, r0, r1, 0x7632; prmt.b32 $3, r2, r3, 0x7632; }"
-)
+
+
+#: $0..$3 the word's values as bf16 pairs; $4 the word; $5 its UE8M0 byte
+E2M1_WORD_BF16_ASM = tl.constexpr(e2m1_word_bf16_asm(4, 5))
 _ASM_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,r,r")
 
 

@@ -173,6 +173,11 @@ def _grouped_gemm_kernel(
 #: from which it dequantizes the experts for a dense tensor-core grouped GEMM (prefill)
 LUT_MAX_ROWS_PER_EXPERT = 16
 DEQUANT_MIN_ROWS_PER_EXPERT = 64
+#: sm_90, bf16 activations on MXFP4 experts past the lookup kernel: the wgmma kernel
+#: (`triton.wgmma`: weights decoded into wgmma's register operand), with 64-, 128- or 256-token
+#: tiles from these rows per expert
+WGMMA_MID_ROWS_PER_EXPERT = 64
+WGMMA_WIDE_ROWS_PER_EXPERT = 256
 #: rows per expert from which prefill's dense tiles are 256 columns wide on sm_90
 WIDE_MIN_ROWS_PER_EXPERT = 512
 #: the lookup mma kernel's options (`kbit.triton.mma.kbit_mma_matmul`) at decode
@@ -191,12 +196,21 @@ def default_config(
     """A kernel configuration for `rows` sorted rows of `dtype` over `num_experts` experts of
     [n, k] (picked by rows per expert from the H200 measurements in benchmarks/results/mxfp4/;
     `benchmarks/bench_mxfp4.py --sweep` times others). ``LUT``: the lookup mma kernel (MXFP4,
-    fp16/bf16), row blocks of 8 or 16; ``DEQUANT``: MXFP4 experts are dequantized, then the
-    dense kernel runs. `hopper`: the device is sm_90 (wider tiles for long prefills)."""
+    fp16/bf16), row blocks of 8 or 16; ``WGMMA``: the Hopper kernel of `triton.wgmma` (MXFP4,
+    bf16, sm_90); ``DEQUANT``: MXFP4 experts are dequantized, then the dense kernel runs.
+    `hopper`: the device is sm_90."""
     per_expert = rows / max(1, min(rows, num_experts))
     lut = mxfp4 and dtype in (torch.float16, torch.bfloat16)
     if lut and per_expert <= LUT_MAX_ROWS_PER_EXPERT:
         return {"BLOCK_M": 8 if per_expert <= 8 else 16, "LUT": True, **LUT_OPTIONS}
+    if hopper and mxfp4 and dtype == torch.bfloat16:
+        # past the lookup kernel on sm_90: the wgmma kernel (H100, GPT-OSS-20B's experts,
+        # benchmarks/mxfp4-lab-log.md §16): 64-token tiles below 64 rows per expert, 128 from
+        # 64 rows, 256 from 256 rows
+        if per_expert < WGMMA_MID_ROWS_PER_EXPERT:
+            return {"BLOCK_M": 64, "WGMMA": True, "stages": 4}
+        bt = 256 if per_expert >= WGMMA_WIDE_ROWS_PER_EXPERT else 128
+        return {"BLOCK_M": bt, "WGMMA": True, "stages": 3}
     if per_expert <= 16:
         return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3,
                 "SWAP": True}  # fmt: skip

@@ -1,0 +1,334 @@
+"""Grouped MXFP4 x bf16 GEMM on Hopper (sm_90) for prefill: each expert's weights decoded in
+registers as the A operand of ``wgmma``, the expert's rows of activations streamed by TMA; no
+dequantized copy of the experts is written.
+
+``out[r] = x[r] @ W[e(r)].T (+ bias[e(r)])`` for rows sorted by expert, cut into BT-row blocks
+(`kernels.moe.BlockPlan`). A CTA computes ``W x^T`` for 128 output columns (two warpgroups of
+64, sharing the x tiles) of one block, streaming K one quad (4 blocks of 32 inputs) per
+pipeline stage: a TMA copy of the quad's weight words (``[128 rows, 16 words]`` of
+`mxfp4.layout`'s ``qweight``) and two of x (``[BT, 64]`` each) land on the stage's mbarrier.
+
+Fragment order. Per warp a wgmma A tile is the ``m16n8k16`` A fragment: lane ``4 g + c`` holds
+rows g and g + 8 at k positions ``2 c + (0, 1)`` and ``2 c + 8 + (0, 1)`` of each k16 step.
+Lane c decodes word c of each block of its two rows, i.e. inputs ``8 c + e`` (e = 0..7), and
+uses them for the block's two k16 steps: input ``8 c + 4 s + 2 h + b`` goes to k position
+``16 s + 8 h + 2 c + b`` of the block. The activations are copied into that order
+(`input_order`: within each block of 32, position ``16 s + 8 h + 2 c + b`` holds input ``8 c +
+4 s + 2 h + b``; for W13 in the same copy as the gather of the sorted rows), so the sums are
+those of ``x @ W.T``. In `mxfp4.layout`'s quad interleave, words c of a quad's 4 blocks are 16
+contiguous bytes: one 16-byte shared-memory read per row and quad. Words decode two values per
+instruction (`dequantize.e2m1_word_bf16_asm`), each rounded once as `mxfp4.dequantize` does.
+
+A stage's A registers are read by its asynchronous wgmmas until a later wait retires them, so
+consecutive stages decode into different registers: stages run in pairs (two SSA values, as in
+`w4a16/triton/wgmma.py`), with an odd last stage after the loop.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from quantfw.kernels.moe.sort import BlockPlan
+from quantfw.kernels.mxfp4.triton.dequantize import e2m1_word_bf16_asm
+
+#: output columns per CTA (two warpgroups of 64) and warps
+BLOCK_N, NUM_WARPS = 128, 8
+#: token rows per CTA the kernel supports (wgmma's N), and the default pipeline depth
+BLOCK_TOKENS = (64, 128, 256)
+DEFAULT_STAGES = 3
+# pack = 8: $4..$11 the word (broadcast), $12..$19 its UE8M0 byte; $0..$3 the 8 values
+_ASM = gl.constexpr(e2m1_word_bf16_asm(4, 12))
+_CONSTRAINTS = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 16))
+
+
+def input_order(x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """A contiguous copy of x [T, K] (K a multiple of 32) in the kernel's k order, of the rows
+    `rows` (all rows if None): position ``32 j + 16 s + 8 h + 2 c + b`` holds input ``32 j +
+    8 c + 4 s + 2 h + b``, i.e. each block's 16 pairs of inputs transposed as a 4 x 4 matrix.
+    On CUDA one Triton kernel gathers and transposes (`_input_order_kernel`)."""
+    t, k = x.shape
+    if k % 32:
+        raise ValueError(f"MXFP4 wgmma: activations {tuple(x.shape)}: K must be a multiple of 32")
+    if x.is_cuda:
+        return _input_order_triton(x, rows)
+    v = x.view(t, k // 32, 4, 2, 2, 2).permute(0, 1, 3, 4, 2, 5)  # (c, s, h, b) -> (s, h, c, b)
+    if rows is None:
+        return v.reshape(t, k)
+    out = x.new_empty(rows.numel(), k // 32, 2, 2, 4, 2)
+    torch.index_select(v, 0, rows, out=out)
+    return out.view(rows.numel(), k)
+
+
+#: blocks of 32 inputs per program of `_input_order_kernel`
+_ORDER_BLOCKS = 32
+
+
+@triton.jit
+def _input_order_kernel(
+    x_ptr, rows_ptr, out_ptr, G, stride_x, GATHER: tl.constexpr, BLOCK_G: tl.constexpr
+):
+    """grid (rows, G / BLOCK_G): out row r = x row rows[r] (or r) with each block's 16 int32
+    pairs transposed as a 4 x 4 matrix."""
+    r = tl.program_id(0).to(tl.int64)
+    src = tl.load(rows_ptr + r).to(tl.int64) if GATHER else r
+    blk = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
+    offs = blk[:, None] * 16 + tl.arange(0, 16)[None, :]
+    mask = (blk < G)[:, None]
+    v = tl.load(x_ptr + src * stride_x + offs, mask=mask)
+    v = tl.reshape(tl.permute(tl.reshape(v, [BLOCK_G, 4, 4]), [0, 2, 1]), [BLOCK_G, 16])
+    tl.store(out_ptr + r * G * 16 + offs, v, mask=mask)
+
+
+def _input_order_triton(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    if x.stride(-1) != 1 or x.element_size() != 2:
+        raise ValueError(f"MXFP4 wgmma: input_order needs 16-bit rows, got {x.dtype}")
+    t, k = x.shape
+    n = t if rows is None else rows.numel()
+    out = x.new_empty(n, k)
+    if n == 0:
+        return out
+    g = k // 32
+    pairs = x.view(torch.int32) if x.is_contiguous() else x.contiguous().view(torch.int32)
+    grid = (n, triton.cdiv(g, _ORDER_BLOCKS))
+    _input_order_kernel[grid](
+        pairs, rows if rows is not None else pairs, out.view(torch.int32), g, pairs.stride(0),
+        GATHER=rows is not None, BLOCK_G=_ORDER_BLOCKS, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+@gluon.jit
+def _decode_quad(words, sc, DL: gl.constexpr, NW: gl.constexpr):
+    """A stage's A tile as two halves ``[16 NW, 64]`` (blocks 0, 1 and 2, 3 of the quad) from
+    words ``[NW, 2 t, 8 g, 4 c, 4 r]`` (row 16 w + 8 t + g, word c of block r) and their UE8M0
+    bytes (same shape); k = 32 r + 16 s + 8 h + 2 c + b within the quad."""
+    wb = gl.broadcast(gl.expand_dims(words, 5), gl.full([NW, 2, 8, 4, 4, 8], 0, gl.int32, DL))[0]
+    sb = gl.broadcast(gl.expand_dims(sc, 5), wb)[0]
+    v = gl.inline_asm_elementwise(
+        _ASM, _CONSTRAINTS, [wb, sb], dtype=gl.bfloat16, is_pure=True, pack=8
+    )  # value e = 4 s + 2 h + b of word c of block r
+    v = gl.reshape(v, [NW, 2, 8, 4, 2, 2, 2, 2, 2])  # w, t, g, c, r // 2, r % 2, s, h, b
+    v = gl.permute(v, [0, 1, 2, 5, 6, 7, 3, 8, 4])  # w, t, g, r % 2, s, h, c, b, r // 2
+    return gl.split(gl.reshape(v, [16 * NW, 64, 2]))
+
+
+@gluon.jit
+def _scales(s_ptr, s_off, q, n_iter, DL: gl.constexpr):
+    """The UE8M0 bytes of quad q of the thread's rows, ``[NW, 2, 8, 4, 4]`` int32 (one 4-byte
+    load per row; zero past the last quad)."""
+    word = gl.load(s_ptr + s_off + q, mask=(s_off >= 0) & (q < n_iter), other=0)
+    WL: gl.constexpr = gl.SliceLayout(5, DL)
+    r = gl.arange(
+        0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, WL))))
+    )
+    r = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(r, 0), 1), 2), 3)
+    return (gl.expand_dims(word, 4) >> (8 * r)) & 255
+
+
+@gluon.jit
+def _load_stage(
+    j, x_desc, w_desc, x_smem, w_smem, bars, row0, wrow0, n_iter, S: gl.constexpr,
+    NBYTES: gl.constexpr,
+):  # fmt: skip
+    """TMA copies of stage j (quad j, if it exists) into slot j % S."""
+    sj = j % S
+    ok = j < n_iter
+    mbarrier.expect(bars.index(sj), NBYTES, pred=ok)
+    tma.async_copy_global_to_shared(
+        x_desc, [row0, j * 128], bars.index(sj), x_smem.index(2 * sj), pred=ok
+    )
+    tma.async_copy_global_to_shared(
+        x_desc, [row0, j * 128 + 64], bars.index(sj), x_smem.index(2 * sj + 1), pred=ok
+    )
+    tma.async_copy_global_to_shared(
+        w_desc, [wrow0, j * 16], bars.index(sj), w_smem.index(sj), pred=ok
+    )
+
+
+@gluon.jit
+def _stage(
+    i, acc, sc, x_desc, w_desc, x_smem, w_smem, bars, s_ptr, s_off, row0, wrow0,
+    n_iter, NW: gl.constexpr, DL: gl.constexpr, A_L: gl.constexpr,
+    S: gl.constexpr, NBYTES: gl.constexpr,
+):  # fmt: skip
+    """Stage i: decode quad i's A (its scales `sc` were loaded a stage ahead), start its two
+    wgmmas, retire stage i - 1's and refill that slot with stage i + S - 1; returns the
+    accumulator and quad i + 1's scales."""
+    s = i % S
+    sc_next = _scales(s_ptr, s_off, i + 1, n_iter, DL)
+    mbarrier.wait(bars.index(s), (i // S) & 1)
+    # the slot's bytes as [warp, t, g, c, r] for the per-thread 16-byte reads (no swizzle)
+    w_view = w_smem.index(s)._reinterpret(
+        gl.int32, [NW, 2, 8, 4, 4], gl.SwizzledSharedLayout(1, 1, 1, order=[4, 3, 2, 1, 0])
+    )
+    words = w_view.load(gl.SliceLayout(5, DL))
+    a0, a1 = _decode_quad(words, sc, DL, NW)
+    a0 = gl.convert_layout(a0, A_L)
+    a1 = gl.convert_layout(a1, A_L)
+    acc = warpgroup_mma(a0, x_smem.index(2 * s).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(a1, x_smem.index(2 * s + 1).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma_wait(2, deps=(acc,))
+    # stage i - 1's wgmmas have retired and its words are in every warp's registers
+    gl.thread_barrier()
+    _load_stage(i + S - 1, x_desc, w_desc, x_smem, w_smem, bars, row0, wrow0, n_iter, S, NBYTES)
+    return acc, sc_next
+
+
+@gluon.jit
+def mxfp4_wgmma_kernel(
+    x_desc,  # TMA descriptor of x [R, K] bf16 in `input_order`, block [BT, 64]
+    w_desc,  # TMA descriptor of qweight viewed [E * N_pad, WPR] int32, block [128, 16]
+    s_ptr,  # scales viewed int32 [E * N_pad, WPR / 16] (4 UE8M0 bytes per quad)
+    bias_ptr,
+    out_ptr,  # [R, N] bf16
+    block_expert_ptr,
+    block_row_ptr,
+    m_indptr_ptr,
+    N,
+    N_PAD,
+    n_iter,  # quads per row (WPR / 16)
+    num_experts,
+    stride_be,
+    stride_om,
+    BT: gl.constexpr,
+    S: gl.constexpr,
+    ODD: gl.constexpr,  # n_iter is odd
+    HAS_BIAS: gl.constexpr,
+):
+    NW: gl.constexpr = 8
+    pid_n = gl.program_id(0)
+    blk = gl.program_id(1)
+    expert = gl.load(block_expert_ptr + blk)
+    if expert >= num_experts:
+        return
+    row0 = gl.load(block_row_ptr + blk)
+    row_end = gl.load(m_indptr_ptr + expert + 1).to(gl.int32)
+    n0 = pid_n * 128
+    wrow0 = expert * N_PAD + n0
+
+    # decode layout [warp, t, g, c, r, e]: lane 4 g + c, rows 16 w + 8 t + g, value e of word c
+    DL: gl.constexpr = gl.BlockedLayout(
+        [1, 2, 1, 1, 4, 8], [1, 1, 8, 4, 1, 1], [NW, 1, 1, 1, 1, 1], [5, 4, 3, 2, 1, 0]
+    )
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BT, 16]
+    )
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+
+    x_smem = gl.allocate_shared_memory(x_desc.dtype, [2 * S, BT, 64], x_desc.layout)
+    w_smem = gl.allocate_shared_memory(gl.int32, [S, 128, 16], w_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
+    for b in gl.static_range(S):
+        mbarrier.init(bars.index(b), count=1)
+    NBYTES: gl.constexpr = BT * 128 * 2 + 128 * 64
+
+    # the thread's scale words: row wrow0 + 16 w + 8 t + g of scales [E * N_pad, n_iter]
+    SL4: gl.constexpr = gl.SliceLayout(4, gl.SliceLayout(5, DL))
+    w_i = gl.arange(0, NW, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, SL4))))
+    t_i = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, SL4))))
+    g_i = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, SL4))))
+    c_i = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, SL4))))
+    w4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(w_i, 1), 2), 3)
+    t4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(t_i, 0), 2), 3)
+    g4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(g_i, 0), 1), 3)
+    c4 = gl.expand_dims(gl.expand_dims(gl.expand_dims(c_i, 0), 1), 2)
+    srow = wrow0 + 16 * w4 + 8 * t4 + g4 + 0 * c4
+    # rows past this expert's N_pad belong to the next one (their outputs are not stored)
+    srow = gl.minimum(srow, num_experts * N_PAD - 1)
+    s_off = srow.to(gl.int64) * n_iter
+
+    for b in gl.static_range(S - 1):
+        _load_stage(b, x_desc, w_desc, x_smem, w_smem, bars, row0, wrow0, n_iter, S, NBYTES)
+
+    acc = gl.zeros([128, BT], gl.float32, MMA)
+    sc = _scales(s_ptr, s_off, 0, n_iter, DL)
+    for i in range(0, n_iter - 1, 2):
+        acc, sc = _stage(
+            i, acc, sc, x_desc, w_desc, x_smem, w_smem, bars, s_ptr, s_off, row0,
+            wrow0, n_iter, NW, DL, A_L, S, NBYTES,
+        )  # fmt: skip
+        acc, sc = _stage(
+            i + 1, acc, sc, x_desc, w_desc, x_smem, w_smem, bars, s_ptr, s_off, row0,
+            wrow0, n_iter, NW, DL, A_L, S, NBYTES,
+        )  # fmt: skip
+    if ODD:
+        acc, sc = _stage(
+            n_iter - 1, acc, sc, x_desc, w_desc, x_smem, w_smem, bars, s_ptr, s_off,
+            row0, wrow0, n_iter, NW, DL, A_L, S, NBYTES,
+        )  # fmt: skip
+    acc = warpgroup_mma_wait(0, deps=(acc,))
+    for b in gl.static_range(S):
+        mbarrier.invalidate(bars.index(b))
+
+    # tokens x columns, 8 consecutive columns per thread
+    OL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+    v = gl.convert_layout(gl.permute(acc, (1, 0)), OL)
+    m = row0 + gl.expand_dims(gl.arange(0, BT, layout=gl.SliceLayout(1, OL)), 1)
+    n = n0 + gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, OL)), 0)
+    if HAS_BIAS:
+        bias = gl.load(bias_ptr + expert.to(gl.int64) * stride_be + n, mask=n < N, other=0.0)
+        v = v + bias.to(gl.float32)
+    mask = (m < row_end) & (n < N)
+    gl.store(out_ptr + m.to(gl.int64) * stride_om + n, v.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def supported(x: torch.Tensor, weights) -> bool:
+    """Whether the kernel serves activations `x` on MXFP4 `weights`: bf16 on sm_90."""
+    from quantfw.kernels.common import is_sm90
+
+    return x.dtype == torch.bfloat16 and x.is_cuda and is_sm90(x.device)
+
+
+def grouped_gemm(
+    x: torch.Tensor,
+    weights,
+    plan: BlockPlan,
+    *,
+    bias: torch.Tensor | None = None,
+    stages: int = DEFAULT_STAGES,
+) -> torch.Tensor:
+    """out [plan.num_rows, N] bf16: row r of expert e is ``x[r] @ W[e].T + bias[e]``, for x
+    [R, K] bf16 in `input_order` (rows sorted as the plan's) and `weights` a
+    `grouped.Mxfp4Weights` of experts [E, N, K]; BT = ``plan.block_m`` tokens per CTA."""
+    num_experts, n, k = weights.shape
+    bt = plan.block_m
+    if bt not in BLOCK_TOKENS:
+        raise ValueError(f"MXFP4 wgmma: plan.block_m = {bt}; supported: {BLOCK_TOKENS}")
+    if x.dtype != torch.bfloat16 or x.shape != (plan.num_rows, k) or not x.is_contiguous():
+        raise ValueError(
+            f"MXFP4 wgmma: x must be contiguous bf16 [{plan.num_rows}, {k}], got {x.dtype} "
+            f"{tuple(x.shape)}"
+        )
+    qweight, scales = weights.qweight, weights.scales
+    n_pad, wpr = qweight.shape[-2:]
+    out = torch.empty(plan.num_rows, n, dtype=x.dtype, device=x.device)
+    if plan.num_rows == 0:
+        return out
+    x_desc = TensorDescriptor.from_tensor(
+        x, [bt, 64], gl.NVMMASharedLayout.get_default_for([bt, 64], gl.bfloat16)
+    )
+    w_desc = TensorDescriptor.from_tensor(
+        qweight.view(num_experts * n_pad, wpr),
+        [128, 16],
+        gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2),
+    )
+    n_iter = wpr // 16
+    grid = (triton.cdiv(n, BLOCK_N), plan.num_blocks)
+    mxfp4_wgmma_kernel[grid](
+        x_desc, w_desc, scales.view(torch.int32), bias if bias is not None else out, out,
+        plan.block_expert, plan.block_row, plan.m_indptr, n, n_pad, n_iter, num_experts,
+        bias.stride(0) if bias is not None else 0, out.stride(0),
+        BT=bt, S=stages, ODD=n_iter % 2 == 1, HAS_BIAS=bias is not None, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return out

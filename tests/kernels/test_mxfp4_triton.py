@@ -77,9 +77,10 @@ def test_wgmma_fragment_order_is_the_activations_input_order():
 
 def test_wgmma_kernel_compiles_for_sm90_without_a_gpu():
     """The Gluon wgmma kernel through Triton's bundled ptxas for each tile height: two
-    asynchronous wgmma groups per stage (K = 64 each), the previous stage retired before its
-    slot is refilled, and the decoded A never staged through shared memory (every shared
-    store is the epilogue's, after the last wgmma; no shuffles)."""
+    asynchronous wgmma groups (K = 64 each) per stage and 64-token chunk, the previous stage
+    retired before the next is started and its slot refilled, and the decoded A never staged
+    through shared memory (every shared store is the epilogue's, after the last wgmma; no
+    shuffles)."""
     pytest.importorskip("triton")
     from aot import compile_for_sm90
     from triton._C.libtriton import native_specialize_impl
@@ -95,21 +96,21 @@ def test_wgmma_kernel_compiles_for_sm90_without_a_gpu():
 
     q = torch.zeros(128, 368, dtype=torch.int32)
     w_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    for bt, stages, odd in ((64, 4, False), (128, 3, True), (256, 3, True)):
+    for bt, chunk, stages, odd in ((64, 64, 4, False), (128, 64, 3, True), (256, 64, 3, True)):
         x = torch.zeros(256, 2880, dtype=torch.bfloat16)
         x_layout = gl.NVMMASharedLayout.get_default_for([bt, 64], gl.bfloat16)
         sig = {"x_desc": desc_type(x, [bt, 64], x_layout), "w_desc": desc_type(q, [128, 16], w_layout),
                "s_ptr": "*i32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "block_expert_ptr": "*i32",
                "block_row_ptr": "*i32", "m_indptr_ptr": "*i64", "N": "i32", "N_PAD": "i32",
                "n_iter": "i32", "num_experts": "i32", "stride_be": "i32", "stride_om": "i32"}  # fmt: skip
-        consts = {"BT": bt, "S": stages, "ODD": odd, "HAS_BIAS": True}
+        consts = {"BT": bt, "CH": chunk, "S": stages, "ODD": odd, "HAS_BIAS": True}
         kernel = compile_for_sm90(wgmma.mxfp4_wgmma_kernel, sig, consts, num_warps=8)
         assert kernel.metadata.shared <= 227 * 1024
         ptx = kernel.asm["ptx"]
-        copies = 3 if odd else 2  # the loop's pair of stages and the odd last one
-        assert ptx.count("wgmma.mma_async") == 8 * copies
-        assert ptx.count("wgmma.commit_group") == 2 * copies
-        assert ptx.count("wgmma.wait_group.sync.aligned 2;") == copies
+        copies, chunks = (3 if odd else 2), bt // chunk  # the loop's pair of stages, the odd one
+        assert ptx.count("wgmma.mma_async") == 8 * chunks * copies
+        assert ptx.count("wgmma.commit_group") == 2 * chunks * copies
+        assert ptx.count("wgmma.wait_group.sync.aligned 0;") == copies + 1
         assert "shfl" not in ptx
         assert ptx.rindex("wgmma.mma_async") < ptx.index("st.shared")
 
@@ -126,12 +127,11 @@ def test_default_config_by_rows_per_expert():
         return default_config(4 * tokens, 32, 5760, 2880, **kw)
 
     assert cfg(1)["LUT"] and cfg(16, hopper=True)["LUT"] and not cfg(1, mxfp4=False).get("LUT")
-    for tokens, bt in ((256, 64), (512, 128), (1024, 128), (2048, 256), (8192, 256)):
-        assert cfg(tokens, hopper=True) == {
-            "BLOCK_M": bt,
-            "WGMMA": True,
-            "stages": 4 if bt == 64 else 3,
-        }
+    small = {"BLOCK_M": 64, "WGMMA": True, "stages": 4}
+    assert cfg(256, hopper=True) == cfg(512, hopper=True) == small
+    for tokens, chunk in ((1024, 64), (2048, 64), (4096, 256), (8192, 256)):
+        want = {"BLOCK_M": 256, "WGMMA": True, "stages": 3, "chunk": chunk}
+        assert cfg(tokens, hopper=True) == want, tokens
     assert cfg(256)["SWAP"] and not cfg(256).get("DEQUANT")
     half = torch.float16
     for tokens, hopper, width in ((2048, True, 128), (4096, True, 256), (4096, False, 128)):
@@ -245,12 +245,15 @@ def test_gpu_moe_matches_reference(dtype, quantized, i):
         dict(BLOCK_M=64, WGMMA=True, stages=4),
         dict(BLOCK_M=128, WGMMA=True, stages=3),
         dict(BLOCK_M=256, WGMMA=True, stages=3),
+        dict(BLOCK_M=128, WGMMA=True, stages=3, chunk=32),
+        dict(BLOCK_M=256, WGMMA=True, stages=3, chunk=64),
     ],
 )
 def test_gpu_configs_agree(config):
     """Every kernel on one case: 200 tokens over 8 experts (many row blocks per expert), H = 288
     and I = 224 (W2's N = 288 pads to whole column blocks, both K to whole quads; the wgmma
-    kernel's 128-column tiles end inside an expert's padding and W13 runs an odd quad)."""
+    kernel's 128-column tiles end inside an expert's padding, W13 runs an odd quad, and with
+    chunks the token rows past an expert's end are skipped: about 50 rows an expert)."""
     pytest.importorskip("triton")
     if config.get("WGMMA"):
         from quantfw.kernels.common import is_sm90

@@ -150,11 +150,11 @@ def _moe_forward_wgmma(
 
     sort = sort_by_expert(topk_ids, w13.shape[0])
     plan = block_schedule(sort.m_indptr, topk_ids.numel(), cfg["BLOCK_M"], topk_ids.shape[-1])
-    stages = cfg.get("stages", wgmma.DEFAULT_STAGES)
+    opts = {"stages": cfg.get("stages", wgmma.DEFAULT_STAGES), "chunk": cfg.get("chunk")}
     xs = wgmma.input_order(x.contiguous(), sort.token_index)
-    h = wgmma.grouped_gemm(xs, w13, plan, bias=w13_bias, stages=stages)
+    h = wgmma.grouped_gemm(xs, w13, plan, bias=w13_bias, **opts)
     a = activation(h, gate_up_interleave) if gate_up_interleave else activation(h)
-    y = wgmma.grouped_gemm(wgmma.input_order(a), w2, plan, bias=w2_bias, stages=stages)
+    y = wgmma.grouped_gemm(wgmma.input_order(a), w2, plan, bias=w2_bias, **opts)
     return combine(y, sort, topk_weights)
 
 
@@ -183,7 +183,12 @@ def linear(x: torch.Tensor, w: Mxfp4Weights, bias: torch.Tensor | None) -> torch
         b = None if bias is None else bias.unsqueeze(0)
         xs = wgmma.input_order(x2.contiguous())
         out = wgmma.grouped_gemm(
-            xs, weights, plan, bias=b, stages=cfg.get("stages", wgmma.DEFAULT_STAGES)
+            xs,
+            weights,
+            plan,
+            bias=b,
+            stages=cfg.get("stages", wgmma.DEFAULT_STAGES),
+            chunk=cfg.get("chunk"),
         )
         return out.view(*x.shape[:-1], w.n)
     if cfg.get("DEQUANT"):

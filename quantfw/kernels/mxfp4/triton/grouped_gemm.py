@@ -174,10 +174,10 @@ def _grouped_gemm_kernel(
 LUT_MAX_ROWS_PER_EXPERT = 16
 DEQUANT_MIN_ROWS_PER_EXPERT = 64
 #: sm_90, bf16 activations on MXFP4 experts past the lookup kernel: the wgmma kernel
-#: (`triton.wgmma`: weights decoded into wgmma's register operand), with 64-, 128- or 256-token
-#: tiles from these rows per expert
-WGMMA_MID_ROWS_PER_EXPERT = 64
-WGMMA_WIDE_ROWS_PER_EXPERT = 256
+#: (`triton.wgmma`: weights decoded into wgmma's register operand), 256-token tiles from
+#: WIDE rows per expert (64 below), chunks of 64 tokens below WHOLE rows
+WGMMA_WIDE_ROWS_PER_EXPERT = 128
+WGMMA_WHOLE_ROWS_PER_EXPERT = 512
 #: rows per expert from which prefill's dense tiles are 256 columns wide on sm_90
 WIDE_MIN_ROWS_PER_EXPERT = 512
 #: the lookup mma kernel's options (`kbit.triton.mma.kbit_mma_matmul`) at decode
@@ -205,12 +205,12 @@ def default_config(
         return {"BLOCK_M": 8 if per_expert <= 8 else 16, "LUT": True, **LUT_OPTIONS}
     if hopper and mxfp4 and dtype == torch.bfloat16:
         # past the lookup kernel on sm_90: the wgmma kernel (H100, GPT-OSS-20B's experts,
-        # benchmarks/mxfp4-lab-log.md §16): 64-token tiles below 64 rows per expert, 128 from
-        # 64 rows, 256 from 256 rows
-        if per_expert < WGMMA_MID_ROWS_PER_EXPERT:
+        # benchmarks/mxfp4-lab-log.md §16-17): 64-token tiles below 128 rows per expert, then
+        # 256-token tiles whose 64-row chunks past an expert's rows are skipped, whole from 512
+        if per_expert < WGMMA_WIDE_ROWS_PER_EXPERT:
             return {"BLOCK_M": 64, "WGMMA": True, "stages": 4}
-        bt = 256 if per_expert >= WGMMA_WIDE_ROWS_PER_EXPERT else 128
-        return {"BLOCK_M": bt, "WGMMA": True, "stages": 3}
+        chunk = 256 if per_expert >= WGMMA_WHOLE_ROWS_PER_EXPERT else 64
+        return {"BLOCK_M": 256, "WGMMA": True, "stages": 3, "chunk": chunk}
     if per_expert <= 16:
         return {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3,
                 "SWAP": True}  # fmt: skip

@@ -35,6 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
+    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -137,34 +138,40 @@ def _scales(s_ptr, s_off, q, n_iter, DL: gl.constexpr):
 
 
 @gluon.jit
-def _load_stage(
-    j, x_desc, w_desc, x_smem, w_smem, bars, row0, wrow0, n_iter, S: gl.constexpr,
-    NBYTES: gl.constexpr,
-):  # fmt: skip
-    """TMA copies of stage j (quad j, if it exists) into slot j % S."""
+def _load_stage(j, x_desc, w_desc, x_smem, w_smem, bars, row0, wrow0, n_iter):
+    """TMA copies of stage j (quad j, if it exists) into slot j % S: the weight words and the
+    activation tile's two halves (all BT rows: loading only the chunks that hold rows cost
+    more in barriers than it saved, benchmarks/mxfp4-lab-log.md §17)."""
+    S: gl.constexpr = w_smem.shape[0]
+    BT: gl.constexpr = x_smem.shape[1]
     sj = j % S
     ok = j < n_iter
-    mbarrier.expect(bars.index(sj), NBYTES, pred=ok)
-    tma.async_copy_global_to_shared(
-        x_desc, [row0, j * 128], bars.index(sj), x_smem.index(2 * sj), pred=ok
-    )
-    tma.async_copy_global_to_shared(
-        x_desc, [row0, j * 128 + 64], bars.index(sj), x_smem.index(2 * sj + 1), pred=ok
-    )
-    tma.async_copy_global_to_shared(
-        w_desc, [wrow0, j * 16], bars.index(sj), w_smem.index(sj), pred=ok
-    )
+    bar = bars.index(sj)
+    mbarrier.expect(bar, 128 * 64 + BT * 128 * 2, pred=ok)
+    tma.async_copy_global_to_shared(w_desc, [wrow0, j * 16], bar, w_smem.index(sj), pred=ok)
+    for h in gl.static_range(2):
+        tma.async_copy_global_to_shared(
+            x_desc, [row0, j * 128 + 64 * h], bar, x_smem.index(2 * sj + h), pred=ok
+        )
+
+
+@gluon.jit
+def _chunk_mma(a0, a1, xs0, xs1, acc, j: gl.constexpr, CH: gl.constexpr):
+    """Both halves of a stage on token rows ``j CH .. (j + 1) CH`` of the tile."""
+    acc = warpgroup_mma(a0, xs0.slice(j * CH, CH).permute((1, 0)), acc, is_async=True)
+    return warpgroup_mma(a1, xs1.slice(j * CH, CH).permute((1, 0)), acc, is_async=True)
 
 
 @gluon.jit
 def _stage(
-    i, acc, sc, x_desc, w_desc, x_smem, w_smem, bars, s_ptr, s_off, row0, wrow0,
-    n_iter, NW: gl.constexpr, DL: gl.constexpr, A_L: gl.constexpr,
-    S: gl.constexpr, NBYTES: gl.constexpr,
+    i, acc0, acc1, acc2, acc3, sc, valid, x_desc, w_desc, x_smem, w_smem, bars, s_ptr, s_off,
+    row0, wrow0, n_iter, NW: gl.constexpr, DL: gl.constexpr, A_L: gl.constexpr,
+    S: gl.constexpr, CH: gl.constexpr, NCH: gl.constexpr,
 ):  # fmt: skip
-    """Stage i: decode quad i's A (its scales `sc` were loaded a stage ahead), start its two
-    wgmmas, retire stage i - 1's and refill that slot with stage i + S - 1; returns the
-    accumulator and quad i + 1's scales."""
+    """Stage i: decode quad i's A (its scales `sc` were loaded a stage ahead) while stage i -
+    1's wgmmas run, retire those, start stage i's on the token chunks that hold rows (`valid`
+    of the tile's rows do) and refill stage i - 1's slot with stage i + S - 1; returns the
+    accumulators and quad i + 1's scales."""
     s = i % S
     sc_next = _scales(s_ptr, s_off, i + 1, n_iter, DL)
     mbarrier.wait(bars.index(s), (i // S) & 1)
@@ -176,13 +183,44 @@ def _stage(
     a0, a1 = _decode_quad(words, sc, DL, NW)
     a0 = gl.convert_layout(a0, A_L)
     a1 = gl.convert_layout(a1, A_L)
-    acc = warpgroup_mma(a0, x_smem.index(2 * s).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma(a1, x_smem.index(2 * s + 1).permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma_wait(2, deps=(acc,))
-    # stage i - 1's wgmmas have retired and its words are in every warp's registers
+    # this warpgroup's wgmmas of stage i - 1 retire (a wait for all: the number of groups in
+    # flight depends on how many chunks hold rows)
+    acc0, acc1, acc2, acc3 = warpgroup_mma_wait(0, deps=(acc0, acc1, acc2, acc3))
+    # (skipped chunks carry their retired sums under the in-flight type)
+    acc1, acc2, acc3 = warpgroup_mma_init(acc1), warpgroup_mma_init(acc2), warpgroup_mma_init(acc3)
+    xs0, xs1 = x_smem.index(2 * s), x_smem.index(2 * s + 1)
+    acc0 = _chunk_mma(a0, a1, xs0, xs1, acc0, 0, CH)
+    # constexpr guards outside, runtime tests inside: a chunk the tile lacks is never compiled
+    if NCH > 1:  # noqa: SIM102
+        if valid > CH:
+            acc1 = _chunk_mma(a0, a1, xs0, xs1, acc1, 1, CH)
+    if NCH > 2:
+        if valid > 2 * CH:
+            acc2 = _chunk_mma(a0, a1, xs0, xs1, acc2, 2, CH)
+        if valid > 3 * CH:
+            acc3 = _chunk_mma(a0, a1, xs0, xs1, acc3, 3, CH)
+    # every warpgroup has retired stage i - 1's wgmmas and holds its words in registers
     gl.thread_barrier()
-    _load_stage(i + S - 1, x_desc, w_desc, x_smem, w_smem, bars, row0, wrow0, n_iter, S, NBYTES)
-    return acc, sc_next
+    _load_stage(i + S - 1, x_desc, w_desc, x_smem, w_smem, bars, row0, wrow0, n_iter)
+    return acc0, acc1, acc2, acc3, sc_next
+
+
+@gluon.jit
+def _store_chunk(
+    acc, j: gl.constexpr, row0, row_end, n0, N, expert, bias_ptr, out_ptr, stride_be,
+    stride_om, CH: gl.constexpr, NW: gl.constexpr, HAS_BIAS: gl.constexpr,
+):  # fmt: skip
+    """Rows ``row0 + j CH ..`` of the tile (those before `row_end`), columns n0 .. n0 + 127."""
+    # tokens x columns, 8 consecutive columns per thread
+    OL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+    v = gl.convert_layout(gl.permute(acc, (1, 0)), OL)
+    m = row0 + j * CH + gl.expand_dims(gl.arange(0, CH, layout=gl.SliceLayout(1, OL)), 1)
+    n = n0 + gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, OL)), 0)
+    if HAS_BIAS:
+        bias = gl.load(bias_ptr + expert.to(gl.int64) * stride_be + n, mask=n < N, other=0.0)
+        v = v + bias.to(gl.float32)
+    mask = (m < row_end) & (n < N)
+    gl.store(out_ptr + m.to(gl.int64) * stride_om + n, v.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
@@ -202,6 +240,8 @@ def mxfp4_wgmma_kernel(
     stride_be,
     stride_om,
     BT: gl.constexpr,
+    CH: gl.constexpr,  # token rows per wgmma (BT, BT / 2 or BT / 4): chunks past the block's
+    # rows are skipped
     S: gl.constexpr,
     ODD: gl.constexpr,  # n_iter is odd
     HAS_BIAS: gl.constexpr,
@@ -221,8 +261,9 @@ def mxfp4_wgmma_kernel(
     DL: gl.constexpr = gl.BlockedLayout(
         [1, 2, 1, 1, 4, 8], [1, 1, 8, 4, 1, 1], [NW, 1, 1, 1, 1, 1], [5, 4, 3, 2, 1, 0]
     )
+    NCH: gl.constexpr = BT // CH
     MMA: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, BT, 16]
+        version=[3, 0], warps_per_cta=[NW, 1], instr_shape=[16, CH, 16]
     )
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
 
@@ -231,7 +272,6 @@ def mxfp4_wgmma_kernel(
     bars = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
     for b in gl.static_range(S):
         mbarrier.init(bars.index(b), count=1)
-    NBYTES: gl.constexpr = BT * 128 * 2 + 128 * 64
 
     # the thread's scale words: row wrow0 + 16 w + 8 t + g of scales [E * N_pad, n_iter]
     SL4: gl.constexpr = gl.SliceLayout(4, gl.SliceLayout(5, DL))
@@ -248,39 +288,52 @@ def mxfp4_wgmma_kernel(
     srow = gl.minimum(srow, num_experts * N_PAD - 1)
     s_off = srow.to(gl.int64) * n_iter
 
+    valid = gl.minimum(row_end - row0, BT)
     for b in gl.static_range(S - 1):
-        _load_stage(b, x_desc, w_desc, x_smem, w_smem, bars, row0, wrow0, n_iter, S, NBYTES)
+        _load_stage(b, x_desc, w_desc, x_smem, w_smem, bars, row0, wrow0, n_iter)
 
-    acc = gl.zeros([128, BT], gl.float32, MMA)
+    acc0 = warpgroup_mma_init(gl.zeros([128, CH], gl.float32, MMA))
+    acc1, acc2, acc3 = acc0, acc0, acc0  # chunks past NCH stay unused
     sc = _scales(s_ptr, s_off, 0, n_iter, DL)
     for i in range(0, n_iter - 1, 2):
-        acc, sc = _stage(
-            i, acc, sc, x_desc, w_desc, x_smem, w_smem, bars, s_ptr, s_off, row0,
-            wrow0, n_iter, NW, DL, A_L, S, NBYTES,
+        acc0, acc1, acc2, acc3, sc = _stage(
+            i, acc0, acc1, acc2, acc3, sc, valid, x_desc, w_desc, x_smem, w_smem, bars, s_ptr,
+            s_off, row0, wrow0, n_iter, NW, DL, A_L, S, CH, NCH,
         )  # fmt: skip
-        acc, sc = _stage(
-            i + 1, acc, sc, x_desc, w_desc, x_smem, w_smem, bars, s_ptr, s_off, row0,
-            wrow0, n_iter, NW, DL, A_L, S, NBYTES,
+        acc0, acc1, acc2, acc3, sc = _stage(
+            i + 1, acc0, acc1, acc2, acc3, sc, valid, x_desc, w_desc, x_smem, w_smem, bars,
+            s_ptr, s_off, row0, wrow0, n_iter, NW, DL, A_L, S, CH, NCH,
         )  # fmt: skip
     if ODD:
-        acc, sc = _stage(
-            n_iter - 1, acc, sc, x_desc, w_desc, x_smem, w_smem, bars, s_ptr, s_off,
-            row0, wrow0, n_iter, NW, DL, A_L, S, NBYTES,
+        acc0, acc1, acc2, acc3, sc = _stage(
+            n_iter - 1, acc0, acc1, acc2, acc3, sc, valid, x_desc, w_desc, x_smem, w_smem,
+            bars, s_ptr, s_off, row0, wrow0, n_iter, NW, DL, A_L, S, CH, NCH,
         )  # fmt: skip
-    acc = warpgroup_mma_wait(0, deps=(acc,))
+    acc0, acc1, acc2, acc3 = warpgroup_mma_wait(0, deps=(acc0, acc1, acc2, acc3))
     for b in gl.static_range(S):
         mbarrier.invalidate(bars.index(b))
 
-    # tokens x columns, 8 consecutive columns per thread
-    OL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
-    v = gl.convert_layout(gl.permute(acc, (1, 0)), OL)
-    m = row0 + gl.expand_dims(gl.arange(0, BT, layout=gl.SliceLayout(1, OL)), 1)
-    n = n0 + gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, OL)), 0)
-    if HAS_BIAS:
-        bias = gl.load(bias_ptr + expert.to(gl.int64) * stride_be + n, mask=n < N, other=0.0)
-        v = v + bias.to(gl.float32)
-    mask = (m < row_end) & (n < N)
-    gl.store(out_ptr + m.to(gl.int64) * stride_om + n, v.to(out_ptr.dtype.element_ty), mask=mask)
+    _store_chunk(
+        acc0, 0, row0, row_end, n0, N, expert, bias_ptr, out_ptr, stride_be, stride_om, CH, NW,
+        HAS_BIAS,
+    )  # fmt: skip
+    if NCH > 1:  # noqa: SIM102
+        if valid > CH:
+            _store_chunk(
+                acc1, 1, row0, row_end, n0, N, expert, bias_ptr, out_ptr, stride_be, stride_om,
+                CH, NW, HAS_BIAS,
+            )  # fmt: skip
+    if NCH > 2:
+        if valid > 2 * CH:
+            _store_chunk(
+                acc2, 2, row0, row_end, n0, N, expert, bias_ptr, out_ptr, stride_be, stride_om,
+                CH, NW, HAS_BIAS,
+            )  # fmt: skip
+        if valid > 3 * CH:
+            _store_chunk(
+                acc3, 3, row0, row_end, n0, N, expert, bias_ptr, out_ptr, stride_be, stride_om,
+                CH, NW, HAS_BIAS,
+            )  # fmt: skip
 
 
 def supported(x: torch.Tensor, weights) -> bool:
@@ -297,6 +350,7 @@ def grouped_gemm(
     *,
     bias: torch.Tensor | None = None,
     stages: int = DEFAULT_STAGES,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """out [plan.num_rows, N] bf16: row r of expert e is ``x[r] @ W[e].T + bias[e]``, for x
     [R, K] bf16 in `input_order` (rows sorted as the plan's) and `weights` a
@@ -305,6 +359,12 @@ def grouped_gemm(
     bt = plan.block_m
     if bt not in BLOCK_TOKENS:
         raise ValueError(f"MXFP4 wgmma: plan.block_m = {bt}; supported: {BLOCK_TOKENS}")
+    chunk = chunk or bt
+    if chunk < 32 or bt % chunk or bt // chunk > 4:
+        raise ValueError(
+            f"MXFP4 wgmma: chunk = {chunk} for {bt}-token tiles; supported: {bt}, {bt // 2} or "
+            f"{bt // 4}, at least 32"
+        )
     if x.dtype != torch.bfloat16 or x.shape != (plan.num_rows, k) or not x.is_contiguous():
         raise ValueError(
             f"MXFP4 wgmma: x must be contiguous bf16 [{plan.num_rows}, {k}], got {x.dtype} "
@@ -329,6 +389,6 @@ def grouped_gemm(
         x_desc, w_desc, scales.view(torch.int32), bias if bias is not None else out, out,
         plan.block_expert, plan.block_row, plan.m_indptr, n, n_pad, n_iter, num_experts,
         bias.stride(0) if bias is not None else 0, out.stride(0),
-        BT=bt, S=stages, ODD=n_iter % 2 == 1, HAS_BIAS=bias is not None, num_warps=NUM_WARPS,
+        BT=bt, CH=chunk, S=stages, ODD=n_iter % 2 == 1, HAS_BIAS=bias is not None, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out

@@ -42,7 +42,7 @@ class BenchSettings:
     batch_sizes: tuple[int, ...] = (1, 16)
     decode_context: int = 128
     decode_tokens: int = 128
-    prefill_repeats: int = 3
+    prefill_repeats: int = 7
     max_model_len: int | None = None
     dtype: str = "float16"
     tensor_parallel_size: int | None = None

@@ -75,6 +75,21 @@ def test_wgmma_fragment_order_is_the_activations_input_order():
     assert torch.equal(input_order(x, rows), input_order(x)[rows])
 
 
+def test_gated_activation_writes_the_wgmma_input_order():
+    """W2's activations come out of the gated activation already in the wgmma kernel's k
+    order (``pairs_transposed``); a width that is not whole blocks of 32 is refused."""
+    pytest.importorskip("triton")
+    from quantfw.kernels import fused
+    from quantfw.kernels.mxfp4.triton.wgmma import input_order
+
+    y = torch.randn(5, 192, generator=torch.Generator().manual_seed(2))
+    for act in (fused.GatedAct("swiglu_oai", 1.702, 7.0), fused.GatedAct("silu")):
+        assert torch.equal(act(y, pairs_transposed=True), input_order(act(y)))
+        assert torch.equal(act(y, 16, pairs_transposed=True), input_order(act(y, 16)))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        fused.GatedAct("silu")(torch.randn(5, 80), pairs_transposed=True)
+
+
 def test_wgmma_kernel_compiles_for_sm90_without_a_gpu():
     """The Gluon wgmma kernel through Triton's bundled ptxas for each tile height: two
     asynchronous wgmma groups (K = 64 each) per stage and 64-token chunk, the previous stage

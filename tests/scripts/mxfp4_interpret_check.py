@@ -144,10 +144,14 @@ def align() -> None:
     from quantfw.kernels.mxfp4.triton import sort as fused
 
     g = torch.Generator().manual_seed(2)
-    for t, top, e, bm in ((1, 4, 32, 16), (9, 2, 6, 16), (40, 4, 32, 16), (33, 2, 8, 4)):
+    cases = ((1, 4, 32, 16), (9, 2, 6, 16), (40, 4, 32, 16), (33, 2, 8, 4))
+    # sort_and_plan: one chunk, several (the last partial), experts past a power of two
+    chunked = ((40, 4, 32, 16), (300, 4, 32, 64), (700, 2, 5, 256), (1100, 8, 128, 64))
+    runs = [(fused.align, c) for c in cases] + [(fused.sort_and_plan, c) for c in chunked]
+    for fn, (t, top, e, bm) in runs:
         ids = torch.stack([torch.randperm(e, generator=g)[:top] for _ in range(t)])
         ids[0, 0] = e - 1
-        sort, plan = fused.align(ids, e, bm)
+        sort, plan = fn(ids, e, bm)
         ref = moe.sort_by_expert(ids, e)
         ref_plan = moe.block_schedule(ref.m_indptr, t * top, bm, top)
         same = all(
@@ -157,7 +161,7 @@ def align() -> None:
         same = same and plan.min_blocks == ref_plan.min_blocks > 0
         real = ref_plan.block_expert < e
         same = same and torch.equal(plan.block_row[real], ref_plan.block_row[real])
-        check(f"align t={t} k={top} E={e} block_m={bm}", 0.0 if same else 1.0, 0.0)
+        check(f"{fn.__name__} t={t} k={top} E={e} block_m={bm}", 0.0 if same else 1.0, 0.0)
         rows = torch.randn(t * top, 48, generator=g)
         w = torch.rand(t, top, generator=g)
         check(

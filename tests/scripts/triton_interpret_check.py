@@ -89,6 +89,24 @@ def fused() -> None:
                 ),
                 tol,
             )
+        y2 = torch.randn(3, 192, dtype=dtype)  # 96 outputs: three blocks of 32
+        y2_il = reference.interleave_gate_up(y2, 16, dim=-1)
+        check(  # written in the MXFP4 wgmma kernel's input order
+            f"silu_and_mul pairs_transposed {dtype}",
+            rel(
+                triton_ops.silu_and_mul(y2_il, 16, True),
+                reference.transpose_pairs(reference.silu_and_mul(y2)),
+            ),
+            tol,
+        )
+        check(
+            f"swiglu_oai pairs_transposed {dtype}",
+            rel(
+                triton_ops.swiglu_oai(y2, 1.702, 7.0, 0, True),
+                reference.transpose_pairs(reference.swiglu_oai(y2, 1.702, 7.0)),
+            ),
+            tol,
+        )
         for rot, norm in ((64, True), (48, True), (32, False)):
             qkv = torch.randn(1, 7, 10 * 64, dtype=dtype)
             q, k = qkv[..., : 6 * 64].view(1, 7, 6, 64), qkv[..., 6 * 64 : 8 * 64].view(1, 7, 2, 64)

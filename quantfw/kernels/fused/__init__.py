@@ -17,12 +17,17 @@ import torch
 
 from quantfw.kernels.common import triton_available
 from quantfw.kernels.fused import reference
-from quantfw.kernels.fused.reference import deinterleave_gate_up, interleave_gate_up
+from quantfw.kernels.fused.reference import (
+    deinterleave_gate_up,
+    interleave_gate_up,
+    transpose_pairs,
+)
 
 __all__ = [
     "GatedAct",
     "interleave_gate_up",
     "deinterleave_gate_up",
+    "transpose_pairs",
     "rms_norm",
     "silu_and_mul",
     "swiglu_oai",
@@ -63,29 +68,48 @@ def _check_interleave(x: torch.Tensor, interleave: int, op: str) -> None:
         )
 
 
-def silu_and_mul(x: torch.Tensor, interleave: int = 0) -> torch.Tensor:
+def _check_pairs_transposed(x: torch.Tensor, pairs_transposed: bool, op: str) -> None:
+    if pairs_transposed and x.shape[-1] % 64:
+        raise ValueError(
+            f"{op}: pairs_transposed needs an output width that is a multiple of 32, got "
+            f"{x.shape[-1] // 2}"
+        )
+
+
+def silu_and_mul(
+    x: torch.Tensor, interleave: int = 0, pairs_transposed: bool = False
+) -> torch.Tensor:
     """``silu(gate) * up`` for x of width 2d: ``[gate (d) | up (d)]``, or with `interleave` g
-    groups of g gate columns, each followed by its g up columns."""
+    groups of g gate columns, each followed by its g up columns. `pairs_transposed`: the output
+    in `reference.transpose_pairs`' order (what the MXFP4 wgmma kernel reads)."""
     _check_interleave(x, interleave, "silu_and_mul")
+    _check_pairs_transposed(x, pairs_transposed, "silu_and_mul")
     if _use_triton(x):
         from quantfw.kernels.fused import triton_ops
 
-        return triton_ops.silu_and_mul(x, interleave)
-    return reference.silu_and_mul(x, interleave)
+        return triton_ops.silu_and_mul(x, interleave, pairs_transposed)
+    out = reference.silu_and_mul(x, interleave)
+    return reference.transpose_pairs(out) if pairs_transposed else out
 
 
 def swiglu_oai(
-    x: torch.Tensor, alpha: float, limit: float | None, interleave: int = 0
+    x: torch.Tensor,
+    alpha: float,
+    limit: float | None,
+    interleave: int = 0,
+    pairs_transposed: bool = False,
 ) -> torch.Tensor:
     """GPT-OSS's SwiGLU on x = [gate (d) | up (d)] (or interleaved, see `silu_and_mul`):
     ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with ``g = clamp(gate,
-    max=limit)`` (no clamp when limit is None)."""
+    max=limit)`` (no clamp when limit is None); `pairs_transposed` as in `silu_and_mul`."""
     _check_interleave(x, interleave, "swiglu_oai")
+    _check_pairs_transposed(x, pairs_transposed, "swiglu_oai")
     if _use_triton(x):
         from quantfw.kernels.fused import triton_ops
 
-        return triton_ops.swiglu_oai(x, alpha, limit, interleave)
-    return reference.swiglu_oai(x, alpha, limit, interleave)
+        return triton_ops.swiglu_oai(x, alpha, limit, interleave, pairs_transposed)
+    out = reference.swiglu_oai(x, alpha, limit, interleave)
+    return reference.transpose_pairs(out) if pairs_transposed else out
 
 
 def qk_norm_rope(
@@ -145,10 +169,12 @@ class GatedAct:
         if self.kind not in ("silu", "swiglu_oai"):
             raise ValueError(f"GatedAct: kind {self.kind!r}; supported: 'silu', 'swiglu_oai'")
 
-    def __call__(self, x: torch.Tensor, interleave: int = 0) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, interleave: int = 0, pairs_transposed: bool = False
+    ) -> torch.Tensor:
         if self.kind == "silu":
-            return silu_and_mul(x, interleave)
-        return swiglu_oai(x, self.alpha, self.limit, interleave)
+            return silu_and_mul(x, interleave, pairs_transposed)
+        return swiglu_oai(x, self.alpha, self.limit, interleave, pairs_transposed)
 
     @property
     def clamp(self) -> float:

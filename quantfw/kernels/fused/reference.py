@@ -52,6 +52,14 @@ def gate_and_up(x: torch.Tensor, interleave: int = 0) -> tuple[torch.Tensor, tor
     return x[..., :d], x[..., d:]
 
 
+def transpose_pairs(y: torch.Tensor) -> torch.Tensor:
+    """y [..., d] (d a multiple of 32) with each block of 32 columns' 16 pairs transposed as a
+    4 x 4 matrix: position ``32 j + 8 p + 2 q + b`` holds column ``32 j + 8 q + 2 p + b``
+    (the k order of the MXFP4 wgmma kernel's activations, `mxfp4.triton.wgmma`)."""
+    *lead, d = y.shape
+    return y.reshape(*lead, d // 32, 4, 4, 2).transpose(-3, -2).reshape(*lead, d)
+
+
 def silu_and_mul(x: torch.Tensor, interleave: int = 0) -> torch.Tensor:
     gate, up = gate_and_up(x, interleave)
     return F.silu(gate) * up

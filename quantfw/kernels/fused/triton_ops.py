@@ -98,9 +98,20 @@ def _gate_columns(cols, group):
 
 
 @triton.jit
+def _out_columns(cols, PAIRS_T: tl.constexpr):
+    """Where output column ``cols`` is stored: in place, or with PAIRS_T at its position in
+    `reference.transpose_pairs` (column ``32 j + 8 q + 2 p + b`` at ``32 j + 8 p + 2 q + b``)."""
+    if PAIRS_T:
+        i = cols % 32
+        cols = cols - i + ((i // 2) % 4) * 8 + (i // 8) * 2 + i % 2
+    return cols
+
+
+@triton.jit
 def _silu_and_mul_kernel(
-    x_ptr, out_ptr, d, x_stride, group, BLOCK: tl.constexpr, PDL: tl.constexpr = False
-):
+    x_ptr, out_ptr, d, x_stride, group, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+    PAIRS_T: tl.constexpr = False,
+):  # fmt: skip
     pdl.wait_and_release(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -110,10 +121,12 @@ def _silu_and_mul_kernel(
     g = tl.load(x_ptr + gc, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + gc + group, mask=mask, other=0.0).to(tl.float32)
     silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * d + cols, (silu * u).to(dtype), mask=mask)
+    tl.store(out_ptr + row * d + _out_columns(cols, PAIRS_T), (silu * u).to(dtype), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor, interleave: int = 0) -> torch.Tensor:
+def silu_and_mul(
+    x: torch.Tensor, interleave: int = 0, pairs_transposed: bool = False
+) -> torch.Tensor:
     d = x.shape[-1] // 2
     x2 = _rows(x)
     out = torch.empty((x2.shape[0], d), dtype=x.dtype, device=x.device)
@@ -121,7 +134,7 @@ def silu_and_mul(x: torch.Tensor, interleave: int = 0) -> torch.Tensor:
     if x2.shape[0]:
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(d, block))](
             x2, out, d, x2.stride(0), interleave or d, BLOCK=block, num_warps=_warps(block),
-            **pdl.launch_options(pdl.enabled(x2.device)),
+            PAIRS_T=pairs_transposed, **pdl.launch_options(pdl.enabled(x2.device)),
         )  # fmt: skip
     return out.view(*x.shape[:-1], d)
 
@@ -138,6 +151,7 @@ def _swiglu_oai_kernel(
     CLAMP: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr = False,
+    PAIRS_T: tl.constexpr = False,
 ):
     pdl.wait_and_release(PDL)
     row = tl.program_id(0).to(tl.int64)
@@ -151,11 +165,17 @@ def _swiglu_oai_kernel(
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
     glu = g / (1.0 + tl.exp(-g * alpha))
-    tl.store(out_ptr + row * d + cols, ((u + 1.0) * glu).to(dtype), mask=mask)
+    tl.store(
+        out_ptr + row * d + _out_columns(cols, PAIRS_T), ((u + 1.0) * glu).to(dtype), mask=mask
+    )
 
 
 def swiglu_oai(
-    x: torch.Tensor, alpha: float, limit: float | None, interleave: int = 0
+    x: torch.Tensor,
+    alpha: float,
+    limit: float | None,
+    interleave: int = 0,
+    pairs_transposed: bool = False,
 ) -> torch.Tensor:
     d = x.shape[-1] // 2
     x2 = _rows(x)
@@ -165,7 +185,7 @@ def swiglu_oai(
         _swiglu_oai_kernel[(x2.shape[0], triton.cdiv(d, block))](
             x2, out, d, x2.stride(0), float(alpha), float(limit or 0.0), interleave or d,
             CLAMP=limit is not None, BLOCK=block, num_warps=_warps(block),
-            **pdl.launch_options(pdl.enabled(x2.device)),
+            PAIRS_T=pairs_transposed, **pdl.launch_options(pdl.enabled(x2.device)),
         )  # fmt: skip
     return out.view(*x.shape[:-1], d)
 

@@ -12,8 +12,10 @@ and scales by `Mxfp4Weights.pack`).
 
 Kernels, picked by rows per expert (`triton.grouped_gemm.default_config`): up to 16 the
 codebook-lookup mma kernel (`kbit/triton/mma.py`: E2M1 bytes from a shared-memory table into
-``mma.sync`` fragments, the UE8M0 scale folded once per block); then the Triton grouped GEMM
-that decodes tiles for ``tl.dot``; from 64 the experts dequantized for the dense kernel.
+``mma.sync`` fragments, the UE8M0 scale folded once per block); beyond, on sm_90 with bf16
+activations, the wgmma kernel (`triton/wgmma.py`: the weights decoded into wgmma's register
+operand, the activations in its k order); elsewhere the Triton grouped GEMM that decodes tiles
+for ``tl.dot``, and from 64 rows the experts dequantized for the dense kernel.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from quantfw.kernels.common import is_sm90, triton_available
-from quantfw.kernels.moe.sort import block_schedule, combine, single_group, sort_by_expert
+from quantfw.kernels.fused import GatedAct
+from quantfw.kernels.moe.sort import single_group
 from quantfw.kernels.mxfp4 import layout
 
 
@@ -106,7 +109,7 @@ def moe_forward(
     (`fused.interleave_gate_up`); the activation is a `layers.activation.GatedActivation`,
     which the lookup kernel computes in its epilogue where it can."""
     from quantfw.kernels.mxfp4.triton import grouped_gemm
-    from quantfw.kernels.mxfp4.triton import sort as fused
+    from quantfw.kernels.mxfp4.triton import sort as sort_kernels
 
     num_experts = w13.shape[0]
     rows = topk_ids.numel()
@@ -121,12 +124,7 @@ def moe_forward(
         )  # fmt: skip
     if cfg.get("DEQUANT") and mx:  # prefill: dense tensor-core GEMMs over dequantized experts
         w13, w2 = dequantize_dense(w13, x.dtype), dequantize_dense(w2, x.dtype)
-    small = fused.align_fits(rows, num_experts)  # decode: one launch each for sort and combine
-    if small:
-        sort, plan = fused.align(topk_ids, num_experts, cfg["BLOCK_M"])
-    else:
-        sort = sort_by_expert(topk_ids, num_experts)
-        plan = block_schedule(sort.m_indptr, rows, cfg["BLOCK_M"], topk_ids.shape[-1])
+    sort, plan = _sort(topk_ids, num_experts, cfg["BLOCK_M"])
     if gate_up_interleave and cfg.get("LUT"):  # W13 -> activated rows in one launch
         act_cfg = {**cfg, "act": (activation.spec, gate_up_interleave)}
         a = grouped_gemm.grouped_gemm(
@@ -138,24 +136,41 @@ def moe_forward(
         )
         a = activation(h, gate_up_interleave) if gate_up_interleave else activation(h)
     y = grouped_gemm.grouped_gemm(a, w2, plan, bias=w2_bias, config=cfg)
-    return fused.combine(y, sort, topk_weights) if small else combine(y, sort, topk_weights)
+    # one launch (the torch combine, a gather, a product and a sum, took 3x its time at prefill)
+    return sort_kernels.combine(y, sort, topk_weights)
+
+
+def _sort(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """The rows sorted by expert and their row blocks: one launch for decode-sized batches,
+    two beyond (`triton.sort`)."""
+    from quantfw.kernels.mxfp4.triton import sort as sort_kernels
+
+    if sort_kernels.align_fits(topk_ids.numel(), num_experts):
+        return sort_kernels.align(topk_ids, num_experts, block_m)
+    return sort_kernels.sort_and_plan(topk_ids, num_experts, block_m)
 
 
 def _moe_forward_wgmma(
     x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias, activation, cfg, gate_up_interleave
 ) -> torch.Tensor:
     """`moe_forward` through the Hopper wgmma kernel (`triton.wgmma`): W13 reads the sorted
-    rows gathered in its input order, W2 the activated rows copied into it."""
+    rows gathered in its input order, W2 the activated rows written in it (by a
+    `layers.activation.GatedActivation`; another activation's output is copied into it)."""
+    from quantfw.kernels.mxfp4.triton import sort as sort_kernels
     from quantfw.kernels.mxfp4.triton import wgmma
 
-    sort = sort_by_expert(topk_ids, w13.shape[0])
-    plan = block_schedule(sort.m_indptr, topk_ids.numel(), cfg["BLOCK_M"], topk_ids.shape[-1])
+    sort, plan = _sort(topk_ids, w13.shape[0], cfg["BLOCK_M"])
     opts = {"stages": cfg.get("stages", wgmma.DEFAULT_STAGES), "chunk": cfg.get("chunk")}
     xs = wgmma.input_order(x.contiguous(), sort.token_index)
     h = wgmma.grouped_gemm(xs, w13, plan, bias=w13_bias, **opts)
-    a = activation(h, gate_up_interleave) if gate_up_interleave else activation(h)
-    y = wgmma.grouped_gemm(wgmma.input_order(a), w2, plan, bias=w2_bias, **opts)
-    return combine(y, sort, topk_weights)
+    spec = getattr(activation, "spec", None)
+    if isinstance(spec, GatedAct):  # written in W2's input order
+        a = spec(h, gate_up_interleave, pairs_transposed=True)
+    else:
+        a = activation(h, gate_up_interleave) if gate_up_interleave else activation(h)
+        a = wgmma.input_order(a)
+    y = wgmma.grouped_gemm(a, w2, plan, bias=w2_bias, **opts)
+    return sort_kernels.combine(y, sort, topk_weights)
 
 
 def dequantize_dense(w: ExpertWeights, dtype: torch.dtype) -> DenseWeights:

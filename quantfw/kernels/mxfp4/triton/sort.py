@@ -1,10 +1,13 @@
-"""The small steps around the grouped GEMMs, as single kernels for decode-sized batches (each
-torch op is a launch, and a decode step of a MoE layer would otherwise launch dozens):
+"""The small steps around the grouped GEMMs as single kernels (each torch op is a launch, and a
+decode step of a MoE layer would otherwise launch dozens):
 
 * `align`: one program sorts the (token, expert) assignments by expert and cuts the row blocks
   (`kernels.moe.ExpertSort` + `BlockPlan`), with histograms and prefix sums over an
-  [assignments x experts] tile, so it serves assignments * experts <= `ALIGN_MAX_TILE`;
-* `combine`: the weighted sum of each token's k expert rows, one program per token.
+  [assignments x experts] tile, so it serves decode-sized batches (assignments * experts <=
+  `ALIGN_MAX_TILE`); `sort_and_plan` does the same for any batch in chunks of that tile, in two
+  launches;
+* `combine`: the weighted sum of each token's k expert rows, one program per token (every
+  batch size).
 """
 
 from __future__ import annotations
@@ -51,6 +54,19 @@ def _align_kernel(
     tl.store(token_index_ptr + pos, (i // TOP_K).to(tl.int64), mask=valid)
     tl.store(expert_of_row_ptr + pos, e_i.to(tl.int64), mask=valid)
     tl.store(inverse_ptr + i, pos.to(tl.int64), mask=valid)
+    _store_plan(
+        counts, starts, ex, m_indptr_ptr, block_expert_ptr, block_row_ptr, num_experts,
+        num_blocks, BLOCK_M, BLOCKS_P,
+    )  # fmt: skip
+
+
+@triton.jit
+def _store_plan(
+    counts, starts, ex, m_indptr_ptr, block_expert_ptr, block_row_ptr, num_experts, num_blocks,
+    BLOCK_M: tl.constexpr, BLOCKS_P: tl.constexpr,
+):  # fmt: skip
+    """m_indptr and the block plan from the rows per expert (`counts`, their exclusive prefix
+    sums `starts`, over experts `ex`)."""
     tl.store(m_indptr_ptr + ex, starts.to(tl.int64), mask=ex <= num_experts)
     blocks = (counts + BLOCK_M - 1) // BLOCK_M
     first = tl.cumsum(blocks, axis=0) - blocks
@@ -65,11 +81,113 @@ def _align_kernel(
     tl.store(block_row_ptr + b, row, mask=b < num_blocks)
 
 
+@triton.jit
+def _onehot(ids_ptr, i, num_rows, EXPERTS_P: tl.constexpr):
+    """The experts of assignments i as a one-hot [len(i), EXPERTS_P] int32 (zero rows past
+    num_rows), and the experts."""
+    valid = i < num_rows
+    e_i = tl.load(ids_ptr + i, mask=valid, other=0).to(tl.int32)
+    ex = tl.arange(0, EXPERTS_P)
+    return ((e_i[:, None] == ex[None, :]) & valid[:, None]).to(tl.int32), e_i
+
+
+@triton.jit
+def _chunk_counts_kernel(
+    ids_ptr, counts_ptr, num_rows, CHUNK: tl.constexpr, EXPERTS_P: tl.constexpr,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    """counts[c, e]: the assignments of chunk c (CHUNK of them) routed to expert e."""
+    pdl.wait_and_release(PDL)
+    c = tl.program_id(0)
+    onehot, _ = _onehot(ids_ptr, c * CHUNK + tl.arange(0, CHUNK), num_rows, EXPERTS_P)
+    tl.store(counts_ptr + c * EXPERTS_P + tl.arange(0, EXPERTS_P), tl.sum(onehot, axis=0))
+
+
+@triton.jit
+def _sort_chunks_kernel(
+    ids_ptr, counts_ptr, token_index_ptr, expert_of_row_ptr, inverse_ptr, m_indptr_ptr,
+    block_expert_ptr, block_row_ptr, num_rows, num_experts, num_blocks, n_chunks,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, EXPERTS_P: tl.constexpr,
+    CHUNKS_STEP: tl.constexpr, BLOCKS_P: tl.constexpr, PDL: tl.constexpr = False,
+):  # fmt: skip
+    """Chunk c's assignments to their sorted rows: expert e's rows start after all rows of
+    experts < e, then chunk c's come after those of chunks < c (stable); program 0 also
+    writes m_indptr and the block plan."""
+    pdl.wait_and_release(PDL)
+    c = tl.program_id(0)
+    ex = tl.arange(0, EXPERTS_P)
+    total = tl.zeros([EXPERTS_P], dtype=tl.int32)
+    before = tl.zeros([EXPERTS_P], dtype=tl.int32)
+    for c0 in range(0, n_chunks, CHUNKS_STEP):
+        cc = c0 + tl.arange(0, CHUNKS_STEP)
+        cnt = tl.load(
+            counts_ptr + cc[:, None] * EXPERTS_P + ex[None, :], mask=(cc < n_chunks)[:, None],
+            other=0,
+        )  # fmt: skip
+        total += tl.sum(cnt, axis=0)
+        before += tl.sum(tl.where((cc < c)[:, None], cnt, 0), axis=0)
+    starts = tl.cumsum(total, axis=0) - total  # exclusive; starts[E] = num_rows
+    i = c * CHUNK + tl.arange(0, CHUNK)
+    onehot, e_i = _onehot(ids_ptr, i, num_rows, EXPERTS_P)
+    rank = tl.sum(tl.where(onehot > 0, tl.cumsum(onehot, axis=0) - 1, 0), axis=1)
+    pos = tl.sum(tl.where(onehot > 0, (starts + before)[None, :], 0), axis=1) + rank
+    valid = i < num_rows
+    tl.store(token_index_ptr + pos, (i // TOP_K).to(tl.int64), mask=valid)
+    tl.store(expert_of_row_ptr + pos, e_i.to(tl.int64), mask=valid)
+    tl.store(inverse_ptr + i, pos.to(tl.int64), mask=valid)
+    if c == 0:
+        _store_plan(
+            total, starts, ex, m_indptr_ptr, block_expert_ptr, block_row_ptr, num_experts,
+            num_blocks, BLOCK_M, BLOCKS_P,
+        )  # fmt: skip
+
+
 def align_fits(num_rows: int, num_experts: int) -> bool:
     return (
         triton.next_power_of_2(max(num_rows, 1)) * triton.next_power_of_2(num_experts + 1)
         <= ALIGN_MAX_TILE
     )
+
+
+def _outputs(rows: int, num_experts: int, num_blocks: int, device: torch.device):
+    """token_index, expert_of_row, inverse, m_indptr, block_expert, block_row, uninitialised."""
+    token_index = torch.empty(rows, dtype=torch.int64, device=device)
+    m_indptr = torch.empty(num_experts + 1, dtype=torch.int64, device=device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    return (
+        token_index, torch.empty_like(token_index), torch.empty_like(token_index), m_indptr,
+        block_expert, torch.empty_like(block_expert),
+    )  # fmt: skip
+
+
+def sort_and_plan(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[ExpertSort, BlockPlan]:
+    """`kernels.moe.sort_by_expert` and `block_schedule` (the same stable order) for any batch,
+    in two launches: per-chunk expert counts, then each chunk's rows placed (a prefill's
+    torch sort and plan were about 35 launches, most of a MoE layer's host time)."""
+    rows, top_k = topk_ids.numel(), topk_ids.shape[-1]
+    dev = topk_ids.device
+    num_blocks = min(rows, num_experts) + rows // block_m
+    experts_p = triton.next_power_of_2(num_experts + 1)
+    chunk = max(16, ALIGN_MAX_TILE // experts_p)
+    n_chunks = max(1, triton.cdiv(rows, chunk))
+    outs = _outputs(rows, num_experts, num_blocks, dev)
+    token_index, expert_of_row, inverse, m_indptr, block_expert, block_row = outs
+    counts = torch.empty(n_chunks, experts_p, dtype=torch.int32, device=dev)
+    ids = topk_ids.reshape(-1)
+    launch = pdl.launch_options(pdl.enabled(dev))
+    _chunk_counts_kernel[(n_chunks,)](
+        ids, counts, rows, CHUNK=chunk, EXPERTS_P=experts_p, num_warps=4, **launch
+    )
+    _sort_chunks_kernel[(n_chunks,)](
+        ids, counts, *outs, rows, num_experts, num_blocks, n_chunks, TOP_K=top_k,
+        BLOCK_M=block_m, CHUNK=chunk, EXPERTS_P=experts_p, CHUNKS_STEP=chunk,
+        BLOCKS_P=triton.next_power_of_2(max(num_blocks, 1)), num_warps=4, **launch,
+    )  # fmt: skip
+    sort = ExpertSort(token_index, expert_of_row, inverse, m_indptr, top_k)
+    least = fewest_blocks(rows, block_m, top_k, num_blocks)
+    return sort, BlockPlan(block_expert, block_row, m_indptr, rows, block_m, least)
 
 
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[ExpertSort, BlockPlan]:
@@ -81,20 +199,11 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[Exper
         triton.next_power_of_2(max(rows, 1)),
         triton.next_power_of_2(num_experts + 1),
     )
-    token_index = torch.empty(rows, dtype=torch.int64, device=dev)
-    expert_of_row = torch.empty_like(token_index)
-    inverse = torch.empty_like(token_index)
-    m_indptr = torch.empty(num_experts + 1, dtype=torch.int64, device=dev)
-    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=dev)
-    block_row = torch.empty_like(block_expert)
+    outs = _outputs(rows, num_experts, num_blocks, dev)
+    token_index, expert_of_row, inverse, m_indptr, block_expert, block_row = outs
     _align_kernel[(1,)](
         topk_ids.reshape(-1),
-        token_index,
-        expert_of_row,
-        inverse,
-        m_indptr,
-        block_expert,
-        block_row,
+        *outs,
         rows,
         num_experts,
         num_blocks,

@@ -14,7 +14,8 @@ Lane c decodes word c of each block of its two rows, i.e. inputs ``8 c + e`` (e 
 uses them for the block's two k16 steps: input ``8 c + 4 s + 2 h + b`` goes to k position
 ``16 s + 8 h + 2 c + b`` of the block. The activations are copied into that order
 (`input_order`: within each block of 32, position ``16 s + 8 h + 2 c + b`` holds input ``8 c +
-4 s + 2 h + b``; for W13 in the same copy as the gather of the sorted rows), so the sums are
+4 s + 2 h + b``; for W13 in the same copy as the gather of the sorted rows, for W2 by the
+activation kernel as it writes, `fused.GatedAct` with ``pairs_transposed``), so the sums are
 those of ``x @ W.T``. In `mxfp4.layout`'s quad interleave, words c of a quad's 4 blocks are 16
 contiguous bytes: one 16-byte shared-memory read per row and quad. Words decode two values per
 instruction (`dequantize.e2m1_word_bf16_asm`), each rounded once as `mxfp4.dequantize` does.
@@ -40,6 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from quantfw.kernels.fused.reference import transpose_pairs
 from quantfw.kernels.moe.sort import BlockPlan
 from quantfw.kernels.mxfp4.triton.dequantize import e2m1_word_bf16_asm
 
@@ -56,19 +58,15 @@ _CONSTRAINTS = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 16))
 def input_order(x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """A contiguous copy of x [T, K] (K a multiple of 32) in the kernel's k order, of the rows
     `rows` (all rows if None): position ``32 j + 16 s + 8 h + 2 c + b`` holds input ``32 j +
-    8 c + 4 s + 2 h + b``, i.e. each block's 16 pairs of inputs transposed as a 4 x 4 matrix.
-    On CUDA one Triton kernel gathers and transposes (`_input_order_kernel`)."""
+    8 c + 4 s + 2 h + b``, i.e. each block's 16 pairs of inputs transposed as a 4 x 4 matrix
+    (`fused.transpose_pairs`). On CUDA one Triton kernel gathers and transposes
+    (`_input_order_kernel`)."""
     t, k = x.shape
     if k % 32:
         raise ValueError(f"MXFP4 wgmma: activations {tuple(x.shape)}: K must be a multiple of 32")
     if x.is_cuda:
         return _input_order_triton(x, rows)
-    v = x.view(t, k // 32, 4, 2, 2, 2).permute(0, 1, 3, 4, 2, 5)  # (c, s, h, b) -> (s, h, c, b)
-    if rows is None:
-        return v.reshape(t, k)
-    out = x.new_empty(rows.numel(), k // 32, 2, 2, 4, 2)
-    torch.index_select(v, 0, rows, out=out)
-    return out.view(rows.numel(), k)
+    return transpose_pairs(x if rows is None else x[rows]).contiguous()
 
 
 #: blocks of 32 inputs per program of `_input_order_kernel`

@@ -303,6 +303,29 @@ def test_gpu_dense_linear_matches_reference(dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tokens,top,experts,block_m", [(2048, 4, 32, 256), (3000, 8, 128, 64)])
+def test_gpu_sort_and_plan_equals_the_torch_sort(tokens, top, experts, block_m):
+    """Prefill-sized batches: the two-launch sort and block plan give torch's stable sort and
+    `block_schedule` exactly (skewed routing: half the tokens pick expert 0 first)."""
+    pytest.importorskip("triton")
+    from quantfw.kernels.mxfp4.triton import sort as sort_kernels
+
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    logits = torch.randn(tokens, experts, generator=g, device="cuda")
+    logits[: tokens // 2, 0] += 10
+    ids = logits.topk(top, dim=-1).indices
+    assert not sort_kernels.align_fits(ids.numel(), experts)
+    got, plan = sort_kernels.sort_and_plan(ids, experts, block_m)
+    ref = moe.sort_by_expert(ids, experts)
+    ref_plan = moe.block_schedule(ref.m_indptr, ids.numel(), block_m, top)
+    for field in ("token_index", "expert_of_row", "inverse", "m_indptr"):
+        assert torch.equal(getattr(got, field), getattr(ref, field)), field
+    assert torch.equal(plan.block_expert, ref_plan.block_expert)
+    real = ref_plan.block_expert < experts
+    assert torch.equal(plan.block_row[real], ref_plan.block_row[real])
+
+
+@pytest.mark.gpu
 def test_gpu_float32_matches_the_cpu_path_closely():
     pytest.importorskip("triton")
     case, ref = _moe_case(9, 8, 128, 96, 2, torch.float32, True, seed=5)

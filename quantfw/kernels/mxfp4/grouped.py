@@ -160,7 +160,7 @@ def _moe_forward_wgmma(
     from quantfw.kernels.mxfp4.triton import wgmma
 
     sort, plan = _sort(topk_ids, w13.shape[0], cfg["BLOCK_M"])
-    opts = {"stages": cfg.get("stages", wgmma.DEFAULT_STAGES), "chunk": cfg.get("chunk")}
+    opts = wgmma.options(cfg)
     xs = wgmma.input_order(x.contiguous(), sort.token_index)
     h = wgmma.grouped_gemm(xs, w13, plan, bias=w13_bias, **opts)
     spec = getattr(activation, "spec", None)
@@ -197,14 +197,7 @@ def linear(x: torch.Tensor, w: Mxfp4Weights, bias: torch.Tensor | None) -> torch
         plan = single_group(x2.shape[0], cfg["BLOCK_M"], x.device)
         b = None if bias is None else bias.unsqueeze(0)
         xs = wgmma.input_order(x2.contiguous())
-        out = wgmma.grouped_gemm(
-            xs,
-            weights,
-            plan,
-            bias=b,
-            stages=cfg.get("stages", wgmma.DEFAULT_STAGES),
-            chunk=cfg.get("chunk"),
-        )
+        out = wgmma.grouped_gemm(xs, weights, plan, bias=b, **wgmma.options(cfg))
         return out.view(*x.shape[:-1], w.n)
     if cfg.get("DEQUANT"):
         d = dequantize_dense(weights, x.dtype).weight[0]

@@ -44,9 +44,8 @@ def _align_kernel(
     pdl.wait_and_release(PDL)
     i = tl.arange(0, ROWS_P)
     valid = i < num_rows
-    e_i = tl.load(ids_ptr + i, mask=valid, other=0).to(tl.int32)
     ex = tl.arange(0, EXPERTS_P)
-    onehot = ((e_i[:, None] == ex[None, :]) & valid[:, None]).to(tl.int32)
+    onehot, e_i = _onehot(ids_ptr, i, num_rows, EXPERTS_P)
     counts = tl.sum(onehot, axis=0)
     starts = tl.cumsum(counts, axis=0) - counts  # exclusive; starts[E] = num_rows
     rank = tl.sum(tl.where(onehot > 0, tl.cumsum(onehot, axis=0) - 1, 0), axis=1)

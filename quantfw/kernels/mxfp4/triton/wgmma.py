@@ -20,9 +20,13 @@ those of ``x @ W.T``. In `mxfp4.layout`'s quad interleave, words c of a quad's 4
 contiguous bytes: one 16-byte shared-memory read per row and quad. Words decode two values per
 instruction (`dequantize.e2m1_word_bf16_asm`), each rounded once as `mxfp4.dequantize` does.
 
-A stage's A registers are read by its asynchronous wgmmas until a later wait retires them, so
-consecutive stages decode into different registers: stages run in pairs (two SSA values, as in
-`w4a16/triton/wgmma.py`), with an odd last stage after the loop.
+The tile's BT tokens run as BT / CH wgmma chunks of CH tokens (one accumulator each); a chunk
+past the block's rows is not started, so an expert's last block costs its rows rounded up to
+CH. Stage i decodes its A while stage i - 1's wgmmas run, then waits for all of them (their
+number depends on the block) before starting its own. A stage's A registers are read by its
+asynchronous wgmmas until that wait, so consecutive stages decode into different registers:
+stages run in pairs (two SSA values, as in `w4a16/triton/wgmma.py`), with an odd last stage
+after the loop.
 """
 
 from __future__ import annotations
@@ -126,6 +130,7 @@ def _decode_quad(words, sc, DL: gl.constexpr, NW: gl.constexpr):
 def _scales(s_ptr, s_off, q, n_iter, DL: gl.constexpr):
     """The UE8M0 bytes of quad q of the thread's rows, ``[NW, 2, 8, 4, 4]`` int32 (one 4-byte
     load per row; zero past the last quad)."""
+    # (s_off >= 0 always holds: it makes the mask a tensor of the offsets' layout)
     word = gl.load(s_ptr + s_off + q, mask=(s_off >= 0) & (q < n_iter), other=0)
     WL: gl.constexpr = gl.SliceLayout(5, DL)
     r = gl.arange(
@@ -334,11 +339,10 @@ def mxfp4_wgmma_kernel(
             )  # fmt: skip
 
 
-def supported(x: torch.Tensor, weights) -> bool:
-    """Whether the kernel serves activations `x` on MXFP4 `weights`: bf16 on sm_90."""
-    from quantfw.kernels.common import is_sm90
-
-    return x.dtype == torch.bfloat16 and x.is_cuda and is_sm90(x.device)
+def options(config: dict) -> dict:
+    """`grouped_gemm`'s keyword options from a ``WGMMA`` config of
+    `triton.grouped_gemm.default_config`."""
+    return {"stages": config.get("stages", DEFAULT_STAGES), "chunk": config.get("chunk")}
 
 
 def grouped_gemm(

@@ -484,9 +484,9 @@ def test_gpu_gated_epilogue_matches_the_separate_activation(
     ``act`` the mma kernel activates each block's gate and up halves in its epilogue where the
     CTA holds the whole K (Qwen3-8B's gate_up; a small K), and the separate kernel runs after
     it where K is split across CTAs (``fused_at_decode`` False) and past the mma sizes (M =
-    33, 300); K = 5's Qwen3-8B gate_up is more than one wave of CTAs (the late PDL release). Against the float64 GEMM then the
-    activation, and against the unfused kernel then the separate activation (the same sums and
-    roundings)."""
+    33, 300); K = 5's Qwen3-8B gate_up is more than one wave of CTAs (the late PDL release).
+    Against the float64 GEMM then the activation, and against the unfused kernel then the
+    separate activation (the same sums and roundings)."""
     from quantfw.kernels import fused as F
     from quantfw.kernels.kbit.triton import dispatch
 

@@ -305,7 +305,7 @@ def test_gpu_dense_linear_matches_reference(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens,top,experts,block_m", [(2048, 4, 32, 256), (3000, 8, 128, 64)])
 def test_gpu_sort_and_plan_equals_the_torch_sort(tokens, top, experts, block_m):
-    """Prefill-sized batches: the two-launch sort and block plan give torch's stable sort and
+    """Prefill-sized batches: the chunked sort and block plan give torch's stable sort and
     `block_schedule` exactly (skewed routing: half the tokens pick expert 0 first)."""
     pytest.importorskip("triton")
     from quantfw.kernels.mxfp4.triton import sort as sort_kernels

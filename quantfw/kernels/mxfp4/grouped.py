@@ -142,7 +142,7 @@ def moe_forward(
 
 def _sort(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """The rows sorted by expert and their row blocks: one launch for decode-sized batches,
-    two beyond (`triton.sort`)."""
+    three beyond (`triton.sort`)."""
     from quantfw.kernels.mxfp4.triton import sort as sort_kernels
 
     if sort_kernels.align_fits(topk_ids.numel(), num_experts):

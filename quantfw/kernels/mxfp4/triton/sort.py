@@ -4,7 +4,7 @@ decode step of a MoE layer would otherwise launch dozens):
 * `align`: one program sorts the (token, expert) assignments by expert and cuts the row blocks
   (`kernels.moe.ExpertSort` + `BlockPlan`), with histograms and prefix sums over an
   [assignments x experts] tile, so it serves decode-sized batches (assignments * experts <=
-  `ALIGN_MAX_TILE`); `sort_and_plan` does the same for any batch in chunks of that tile, in two
+  `ALIGN_MAX_TILE`); `sort_and_plan` does the same for any batch in chunks of that tile, in three
   launches;
 * `combine`: the weighted sum of each token's k expert rows, one program per token (every
   batch size).
@@ -103,28 +103,40 @@ def _chunk_counts_kernel(
 
 
 @triton.jit
+def _chunk_prefix_kernel(
+    counts_ptr, n_chunks, EXPERTS_P: tl.constexpr, CHUNKS_STEP: tl.constexpr,
+    PDL: tl.constexpr = False,
+):  # fmt: skip
+    """In place, one program: counts[c, e] -> the assignments to expert e in chunks before c
+    (an exclusive prefix over chunks), and row n_chunks <- each expert's total."""
+    pdl.wait_and_release(PDL)
+    ex = tl.arange(0, EXPERTS_P)
+    carry = tl.zeros([EXPERTS_P], dtype=tl.int32)
+    for c0 in range(0, n_chunks, CHUNKS_STEP):
+        cc = c0 + tl.arange(0, CHUNKS_STEP)
+        ptrs = counts_ptr + cc[:, None] * EXPERTS_P + ex[None, :]
+        inside = (cc < n_chunks)[:, None]
+        cnt = tl.load(ptrs, mask=inside, other=0)
+        tl.store(ptrs, carry[None, :] + tl.cumsum(cnt, axis=0) - cnt, mask=inside)
+        carry += tl.sum(cnt, axis=0)
+    tl.store(counts_ptr + n_chunks * EXPERTS_P + ex, carry)
+
+
+@triton.jit
 def _sort_chunks_kernel(
     ids_ptr, counts_ptr, token_index_ptr, expert_of_row_ptr, inverse_ptr, m_indptr_ptr,
     block_expert_ptr, block_row_ptr, num_rows, num_experts, num_blocks, n_chunks,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, EXPERTS_P: tl.constexpr,
-    CHUNKS_STEP: tl.constexpr, BLOCKS_P: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCKS_P: tl.constexpr, PDL: tl.constexpr = False,
 ):  # fmt: skip
     """Chunk c's assignments to their sorted rows: expert e's rows start after all rows of
-    experts < e, then chunk c's come after those of chunks < c (stable); program 0 also
-    writes m_indptr and the block plan."""
+    experts < e, then chunk c's come after those of chunks < c (stable; `counts` holds the
+    prefixes over chunks and the totals); program 0 also writes m_indptr and the block plan."""
     pdl.wait_and_release(PDL)
     c = tl.program_id(0)
     ex = tl.arange(0, EXPERTS_P)
-    total = tl.zeros([EXPERTS_P], dtype=tl.int32)
-    before = tl.zeros([EXPERTS_P], dtype=tl.int32)
-    for c0 in range(0, n_chunks, CHUNKS_STEP):
-        cc = c0 + tl.arange(0, CHUNKS_STEP)
-        cnt = tl.load(
-            counts_ptr + cc[:, None] * EXPERTS_P + ex[None, :], mask=(cc < n_chunks)[:, None],
-            other=0,
-        )  # fmt: skip
-        total += tl.sum(cnt, axis=0)
-        before += tl.sum(tl.where((cc < c)[:, None], cnt, 0), axis=0)
+    before = tl.load(counts_ptr + c * EXPERTS_P + ex)
+    total = tl.load(counts_ptr + n_chunks * EXPERTS_P + ex)
     starts = tl.cumsum(total, axis=0) - total  # exclusive; starts[E] = num_rows
     i = c * CHUNK + tl.arange(0, CHUNK)
     onehot, e_i = _onehot(ids_ptr, i, num_rows, EXPERTS_P)
@@ -163,8 +175,9 @@ def sort_and_plan(
     topk_ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[ExpertSort, BlockPlan]:
     """`kernels.moe.sort_by_expert` and `block_schedule` (the same stable order) for any batch,
-    in two launches: per-chunk expert counts, then each chunk's rows placed (a prefill's
-    torch sort and plan were about 35 launches, most of a MoE layer's host time)."""
+    in three launches: per-chunk expert counts, their prefix over chunks (one program), then
+    each chunk's rows placed (a prefill's torch sort and plan were about 35 launches, most of
+    a MoE layer's host time)."""
     rows, top_k = topk_ids.numel(), topk_ids.shape[-1]
     dev = topk_ids.device
     num_blocks = min(rows, num_experts) + rows // block_m
@@ -173,15 +186,18 @@ def sort_and_plan(
     n_chunks = max(1, triton.cdiv(rows, chunk))
     outs = _outputs(rows, num_experts, num_blocks, dev)
     token_index, expert_of_row, inverse, m_indptr, block_expert, block_row = outs
-    counts = torch.empty(n_chunks, experts_p, dtype=torch.int32, device=dev)
+    counts = torch.empty(n_chunks + 1, experts_p, dtype=torch.int32, device=dev)
     ids = topk_ids.reshape(-1)
     launch = pdl.launch_options(pdl.enabled(dev))
     _chunk_counts_kernel[(n_chunks,)](
         ids, counts, rows, CHUNK=chunk, EXPERTS_P=experts_p, num_warps=4, **launch
     )
+    _chunk_prefix_kernel[(1,)](
+        counts, n_chunks, EXPERTS_P=experts_p, CHUNKS_STEP=chunk, num_warps=4, **launch
+    )
     _sort_chunks_kernel[(n_chunks,)](
         ids, counts, *outs, rows, num_experts, num_blocks, n_chunks, TOP_K=top_k,
-        BLOCK_M=block_m, CHUNK=chunk, EXPERTS_P=experts_p, CHUNKS_STEP=chunk,
+        BLOCK_M=block_m, CHUNK=chunk, EXPERTS_P=experts_p,
         BLOCKS_P=triton.next_power_of_2(max(num_blocks, 1)), num_warps=4, **launch,
     )  # fmt: skip
     sort = ExpertSort(token_index, expert_of_row, inverse, m_indptr, top_k)

@@ -117,25 +117,25 @@ def moe_forward(
     cfg = config or grouped_gemm.default_config(
         rows, num_experts, *w13.shape[1:], mxfp4=mx, dtype=x.dtype, hopper=is_sm90(x.device)
     )
-    if cfg.get("WGMMA") and mx:  # prefill on sm_90: experts decoded into wgmma's A operand
-        return _moe_forward_wgmma(
-            x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias, activation, cfg,
-            gate_up_interleave,
-        )  # fmt: skip
     if cfg.get("DEQUANT") and mx:  # prefill: dense tensor-core GEMMs over dequantized experts
         w13, w2 = dequantize_dense(w13, x.dtype), dequantize_dense(w2, x.dtype)
     sort, plan = _sort(topk_ids, num_experts, cfg["BLOCK_M"])
-    if gate_up_interleave and cfg.get("LUT"):  # W13 -> activated rows in one launch
-        act_cfg = {**cfg, "act": (activation.spec, gate_up_interleave)}
-        a = grouped_gemm.grouped_gemm(
-            x, w13, plan, bias=w13_bias, gather=sort.token_index, config=act_cfg
+    if cfg.get("WGMMA") and mx:  # prefill on sm_90: experts decoded into wgmma's A operand
+        y = _experts_wgmma(
+            x, sort, plan, w13, w2, w13_bias, w2_bias, activation, cfg, gate_up_interleave
         )
     else:
-        h = grouped_gemm.grouped_gemm(
-            x, w13, plan, bias=w13_bias, gather=sort.token_index, config=cfg
-        )
-        a = activation(h, gate_up_interleave) if gate_up_interleave else activation(h)
-    y = grouped_gemm.grouped_gemm(a, w2, plan, bias=w2_bias, config=cfg)
+        if gate_up_interleave and cfg.get("LUT"):  # W13 -> activated rows in one launch
+            act_cfg = {**cfg, "act": (activation.spec, gate_up_interleave)}
+            a = grouped_gemm.grouped_gemm(
+                x, w13, plan, bias=w13_bias, gather=sort.token_index, config=act_cfg
+            )
+        else:
+            h = grouped_gemm.grouped_gemm(
+                x, w13, plan, bias=w13_bias, gather=sort.token_index, config=cfg
+            )
+            a = activation(h, gate_up_interleave) if gate_up_interleave else activation(h)
+        y = grouped_gemm.grouped_gemm(a, w2, plan, bias=w2_bias, config=cfg)
     # one launch (the torch combine, a gather, a product and a sum, took 3x its time at prefill)
     return sort_kernels.combine(y, sort, topk_weights)
 
@@ -150,16 +150,14 @@ def _sort(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     return sort_kernels.sort_and_plan(topk_ids, num_experts, block_m)
 
 
-def _moe_forward_wgmma(
-    x, topk_weights, topk_ids, w13, w2, w13_bias, w2_bias, activation, cfg, gate_up_interleave
+def _experts_wgmma(
+    x, sort, plan, w13, w2, w13_bias, w2_bias, activation, cfg, gate_up_interleave
 ) -> torch.Tensor:
-    """`moe_forward` through the Hopper wgmma kernel (`triton.wgmma`): W13 reads the sorted
-    rows gathered in its input order, W2 the activated rows written in it (by a
+    """The experts' rows (sorted) through the Hopper wgmma kernel (`triton.wgmma`): W13 reads
+    the sorted rows gathered in its input order, W2 the activated rows written in it (by a
     `layers.activation.GatedActivation`; another activation's output is copied into it)."""
-    from quantfw.kernels.mxfp4.triton import sort as sort_kernels
     from quantfw.kernels.mxfp4.triton import wgmma
 
-    sort, plan = _sort(topk_ids, w13.shape[0], cfg["BLOCK_M"])
     opts = wgmma.options(cfg)
     xs = wgmma.input_order(x.contiguous(), sort.token_index)
     h = wgmma.grouped_gemm(xs, w13, plan, bias=w13_bias, **opts)
@@ -169,8 +167,7 @@ def _moe_forward_wgmma(
     else:
         a = activation(h, gate_up_interleave) if gate_up_interleave else activation(h)
         a = wgmma.input_order(a)
-    y = wgmma.grouped_gemm(a, w2, plan, bias=w2_bias, **opts)
-    return sort_kernels.combine(y, sort, topk_weights)
+    return wgmma.grouped_gemm(a, w2, plan, bias=w2_bias, **opts)
 
 
 def dequantize_dense(w: ExpertWeights, dtype: torch.dtype) -> DenseWeights:

@@ -70,15 +70,21 @@ def fewest_blocks(num_rows: int, block_m: int, top_k: int, num_blocks: int) -> i
     return min(num_blocks, max(-(-num_rows // block_m), top_k))
 
 
+def max_blocks(num_rows: int, num_experts: int, block_m: int) -> int:
+    """A bound on a plan's blocks: expert e needs ceil(n_e / block_m) <= n_e // block_m + 1,
+    and at most min(rows, E) experts hold rows."""
+    return min(num_rows, num_experts) + num_rows // block_m
+
+
 def block_schedule(
     m_indptr: torch.Tensor, num_rows: int, block_m: int, top_k: int = 1
 ) -> BlockPlan:
-    """Cut each expert's rows into blocks of `block_m`. Expert e needs ceil(n_e / block_m) <=
-    n_e // block_m + 1 blocks, so min(rows, E) + rows // block_m bound the total; `top_k`: the
-    distinct experts of each token (for ``min_blocks``)."""
+    """Cut each expert's rows into blocks of `block_m` (`max_blocks` of them, those past the
+    real ones owned by expert E); `top_k`: the distinct experts of each token (for
+    ``min_blocks``)."""
     num_experts = m_indptr.numel() - 1
     device = m_indptr.device
-    num_blocks = min(num_rows, num_experts) + num_rows // block_m
+    num_blocks = max_blocks(num_rows, num_experts, block_m)
     counts = m_indptr[1:] - m_indptr[:-1]
     block_indptr = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
     torch.cumsum((counts + block_m - 1) // block_m, 0, out=block_indptr[1:])

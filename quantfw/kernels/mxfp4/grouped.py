@@ -134,10 +134,15 @@ def moe_forward(
             h = grouped_gemm.grouped_gemm(
                 x, w13, plan, bias=w13_bias, gather=sort.token_index, config=cfg
             )
-            a = activation(h, gate_up_interleave) if gate_up_interleave else activation(h)
+            a = _activate(activation, h, gate_up_interleave)
         y = grouped_gemm.grouped_gemm(a, w2, plan, bias=w2_bias, config=cfg)
     # one launch (the torch combine, a gather, a product and a sum, took 3x its time at prefill)
     return sort_kernels.combine(y, sort, topk_weights)
+
+
+def _activate(activation: Callable[..., torch.Tensor], h: torch.Tensor, interleave: int):
+    """The activation of W13's output (its gate and up rows interleaved in groups, if any)."""
+    return activation(h, interleave) if interleave else activation(h)
 
 
 def _sort(topk_ids: torch.Tensor, num_experts: int, block_m: int):
@@ -165,8 +170,7 @@ def _experts_wgmma(
     if isinstance(spec, GatedAct):  # written in W2's input order
         a = spec(h, gate_up_interleave, pairs_transposed=True)
     else:
-        a = activation(h, gate_up_interleave) if gate_up_interleave else activation(h)
-        a = wgmma.input_order(a)
+        a = wgmma.input_order(_activate(activation, h, gate_up_interleave))
     return wgmma.grouped_gemm(a, w2, plan, bias=w2_bias, **opts)
 
 
@@ -188,18 +192,16 @@ def linear(x: torch.Tensor, w: Mxfp4Weights, bias: torch.Tensor | None) -> torch
     cfg = grouped_gemm.default_config(
         x2.shape[0], 1, w.n, w.k, dtype=x.dtype, hopper=is_sm90(x.device)
     )
-    if cfg.get("WGMMA"):
-        from quantfw.kernels.mxfp4.triton import wgmma
-
-        plan = single_group(x2.shape[0], cfg["BLOCK_M"], x.device)
-        b = None if bias is None else bias.unsqueeze(0)
-        xs = wgmma.input_order(x2.contiguous())
-        out = wgmma.grouped_gemm(xs, weights, plan, bias=b, **wgmma.options(cfg))
-        return out.view(*x.shape[:-1], w.n)
     if cfg.get("DEQUANT"):
         d = dequantize_dense(weights, x.dtype).weight[0]
         return torch.nn.functional.linear(x, d, bias)
     plan = single_group(x2.shape[0], cfg["BLOCK_M"], x.device)
     b = None if bias is None else bias.unsqueeze(0)
-    out = grouped_gemm.grouped_gemm(x2, weights, plan, bias=b, config=cfg)
+    if cfg.get("WGMMA"):
+        from quantfw.kernels.mxfp4.triton import wgmma
+
+        xs = wgmma.input_order(x2.contiguous())
+        out = wgmma.grouped_gemm(xs, weights, plan, bias=b, **wgmma.options(cfg))
+    else:
+        out = grouped_gemm.grouped_gemm(x2, weights, plan, bias=b, config=cfg)
     return out.view(*x.shape[:-1], w.n)

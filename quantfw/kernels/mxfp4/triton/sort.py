@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from quantfw.kernels.common import pdl
-from quantfw.kernels.moe.sort import BlockPlan, ExpertSort, fewest_blocks
+from quantfw.kernels.moe.sort import BlockPlan, ExpertSort, fewest_blocks, max_blocks
 
 ALIGN_MAX_TILE = 16384
 
@@ -171,6 +171,14 @@ def _outputs(rows: int, num_experts: int, num_blocks: int, device: torch.device)
     )  # fmt: skip
 
 
+def _sort_and_plan_of(outs, rows: int, top_k: int, block_m: int) -> tuple[ExpertSort, BlockPlan]:
+    """`_outputs`, written by a sort kernel, as the sort and its block plan."""
+    token_index, expert_of_row, inverse, m_indptr, block_expert, block_row = outs
+    sort = ExpertSort(token_index, expert_of_row, inverse, m_indptr, top_k)
+    least = fewest_blocks(rows, block_m, top_k, block_expert.numel())
+    return sort, BlockPlan(block_expert, block_row, m_indptr, rows, block_m, least)
+
+
 def sort_and_plan(
     topk_ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[ExpertSort, BlockPlan]:
@@ -180,12 +188,11 @@ def sort_and_plan(
     a MoE layer's host time)."""
     rows, top_k = topk_ids.numel(), topk_ids.shape[-1]
     dev = topk_ids.device
-    num_blocks = min(rows, num_experts) + rows // block_m
+    num_blocks = max_blocks(rows, num_experts, block_m)
     experts_p = triton.next_power_of_2(num_experts + 1)
     chunk = max(16, ALIGN_MAX_TILE // experts_p)
     n_chunks = max(1, triton.cdiv(rows, chunk))
     outs = _outputs(rows, num_experts, num_blocks, dev)
-    token_index, expert_of_row, inverse, m_indptr, block_expert, block_row = outs
     counts = torch.empty(n_chunks + 1, experts_p, dtype=torch.int32, device=dev)
     ids = topk_ids.reshape(-1)
     launch = pdl.launch_options(pdl.enabled(dev))
@@ -200,22 +207,19 @@ def sort_and_plan(
         BLOCK_M=block_m, CHUNK=chunk, EXPERTS_P=experts_p,
         BLOCKS_P=triton.next_power_of_2(max(num_blocks, 1)), num_warps=4, **launch,
     )  # fmt: skip
-    sort = ExpertSort(token_index, expert_of_row, inverse, m_indptr, top_k)
-    least = fewest_blocks(rows, block_m, top_k, num_blocks)
-    return sort, BlockPlan(block_expert, block_row, m_indptr, rows, block_m, least)
+    return _sort_and_plan_of(outs, rows, top_k, block_m)
 
 
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[ExpertSort, BlockPlan]:
     """`kernels.moe.sort_by_expert` and `block_schedule` in one launch (see `align_fits`)."""
     rows, top_k = topk_ids.numel(), topk_ids.shape[-1]
     dev = topk_ids.device
-    num_blocks = min(rows, num_experts) + rows // block_m
+    num_blocks = max_blocks(rows, num_experts, block_m)
     rows_p, experts_p = (
         triton.next_power_of_2(max(rows, 1)),
         triton.next_power_of_2(num_experts + 1),
     )
     outs = _outputs(rows, num_experts, num_blocks, dev)
-    token_index, expert_of_row, inverse, m_indptr, block_expert, block_row = outs
     _align_kernel[(1,)](
         topk_ids.reshape(-1),
         *outs,
@@ -230,9 +234,7 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[Exper
         num_warps=8 if rows_p * experts_p >= 8192 else 4,
         **pdl.launch_options(pdl.enabled(topk_ids.device)),
     )
-    sort = ExpertSort(token_index, expert_of_row, inverse, m_indptr, top_k)
-    least = fewest_blocks(rows, block_m, top_k, num_blocks)
-    return sort, BlockPlan(block_expert, block_row, m_indptr, rows, block_m, least)
+    return _sort_and_plan_of(outs, rows, top_k, block_m)
 
 
 @triton.jit

@@ -37,6 +37,13 @@ take turns over its chunks and add their sums in shared memory after the loop (t
 kernel's ``_sum_k_slices``, over the table's bytes); a split across CTAs meets in the W4A16
 kernel's self-cleaning workspace.
 
+Weight words reach the registers one of two ways. Register loads: a warp loads its next
+chunk's words after the chunk's math, and waits for them at the next chunk's first lookup.
+TMA staging (`tma_staging`: sm_90, K = 4 and MXFP4, 8-token tiles): the CTA's words of one
+iteration (WK boxes of [64 rows, 16 words], 16 KB) land in a shared-memory slot on an
+mbarrier; the warps copy them to registers, a CTA barrier frees the slot, and TMA refills it
+with the next iteration while this one computes (`_tma_words`).
+
 MXFP4 blocks are kbit K = 4 blocks byte for byte (16 bytes, element 2i in the low nibble of
 byte i), so `mxfp4.layout` only pads and quad-interleaves them, and the table holds the E2M1
 values.  With ``GROUPED`` the token tiles are the row blocks of a grouped GEMM over experts
@@ -51,8 +58,10 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import constexpr_function
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from quantfw.kernels.common import pdl, splitk
+from quantfw.kernels.common import cuda_capability, pdl, splitk
 from quantfw.kernels.fused import GatedAct
 from quantfw.kernels.kbit.configs import MMA_BITS
 from quantfw.kernels.kbit.layout import GATED_GROUP, _as_int32
@@ -313,6 +322,52 @@ def _gated_epilogue(
 
 
 @gluon.jit
+def _tma_stage(it, w_desc, w_slot, bar, wrow, sp, n_iter, SPLIT: gl.constexpr, WK: gl.constexpr):
+    """TMA copies of iteration ``it``'s weight words (if it exists) into the CTA's slot: one
+    [64 rows, 16 words] box per warp ``ks``, its quad ``(it SPLIT + sp) WK + ks`` (zeros past
+    K), all landing on ``bar``."""
+    ok = it < n_iter
+    mbarrier.expect(bar, WK * 64 * 64, pred=ok)
+    for ks in gl.static_range(WK):
+        q = (it * SPLIT + sp) * WK + ks
+        tma.async_copy_global_to_shared(w_desc, [wrow, q * 16], bar, w_slot.index(ks), pred=ok)
+
+
+@gluon.jit
+def _tma_words(
+    it, w_desc, w_slot, bar, wrow, sp, n_iter, L3: gl.constexpr, SPLIT: gl.constexpr,
+    WK: gl.constexpr,
+):  # fmt: skip
+    """Iteration ``it``'s weight bundles (as `_load_weights` returns them: K = 4, one quad) out
+    of the slot once its copies have landed; the slot is then refilled with iteration it + 1,
+    whose copies run during this iteration's math."""
+    mbarrier.wait(bar, it & 1)
+    # the slot as [warp, bundle jt, lane 4 g + c, block r]: row 8 jt + g, word c of box ks
+    words = w_slot._reinterpret(
+        gl.int32, [WK, 8, 32, 4], gl.SwizzledSharedLayout(1, 1, 1, order=[3, 2, 1, 0])
+    )
+    L4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 1, 32, 1], [WK, 1, 1, 1], [3, 2, 1, 0])
+    ws = ()
+    for jt in gl.static_range(8):
+        b = words.slice(jt, 1, dim=1).load(L4)
+        ws = ws + (gl.convert_layout(gl.reshape(b, [WK, 32, 4]), L3),)
+    gl.thread_barrier()  # every warp holds its words: the slot may be refilled
+    _tma_stage(it + 1, w_desc, w_slot, bar, wrow, sp, n_iter, SPLIT, WK)
+    return ws
+
+
+@gluon.jit
+def _load_scales(s_ptr, b0, s_off, nb_ok, KBP, KBS, MASK: gl.constexpr):
+    """`_load_weights`' scale bundles of one quad."""
+    ok = nb_ok & (b0 < KBP) if MASK else nb_ok
+    ss = ()
+    for h in gl.static_range(2):
+        col = 32 * h * KBS
+        ss = ss + (gl.load(s_ptr + s_off + (col + b0 // SCALE_BLOCKS), mask=ok, other=0),)
+    return ss
+
+
+@gluon.jit
 def kbit_mma_kernel(
     x_ptr,  # int32 view of x [M, K/2] (pairs of activations)
     q_ptr,  # int32 [(E,) N_pad, KBP * BITS] (field-packed)
@@ -341,6 +396,7 @@ def kbit_mma_kernel(
     stride_be,
     act_alpha,  # ACT == 2: GPT-OSS's SwiGLU alpha and clamp limit
     act_limit,
+    w_desc,  # TMA: descriptor of qweight as [(E *) N_pad, KBP * 4] int32, box [64, 16]
     W: gl.constexpr,  # warps per CTA, each on one 64-column block
     CH: gl.constexpr,  # blocks per chunk (a multiple of 4)
     TM: gl.constexpr,  # tokens per CTA tile: 8 or 16
@@ -359,6 +415,7 @@ def kbit_mma_kernel(
     WK: gl.constexpr = 1,  # warps per 64-column block, splitting its chunks (summed in the CTA)
     ACT: gl.constexpr = 0,  # a gated pair (`_gated_epilogue`): 1 SiLU-and-mul, 2 GPT-OSS SwiGLU
     LATE_RELEASE: gl.constexpr = False,  # PDL: let the next kernel launch once K is streamed
+    TMA: gl.constexpr = False,  # weight words staged by TMA in a shared-memory slot
 ):
     L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [W, 1, 1], [2, 1, 0])
     EW: gl.constexpr = 2 if BITS == 2 else 1  # table words per entry
@@ -417,19 +474,31 @@ def kbit_mma_kernel(
         xm = gl.load(gather_ptr + xm).to(gl.int32)
     x_off = xm * stride_xm + x_pair
 
-    # the first chunk's loads go out before the table is built; with PDL x waits for the
-    # previous kernel to finish, after the table
-    ws, ss = _load_weights(
-        q_ptr, s_ptr, b0, q_off, h_off, c, s_off, nb_ok, KBP, KBS, CH, BITS, MASK_K
-    )
-    if not PDL:
-        xs = _load_x(x_ptr, b0, x_off, x_pair, K2, CH, TM)
     # the table, COPIES times: word (e COPIES + copy) EW + i = lut[e, i]; consecutive lanes
     # store consecutive copies (no bank conflicts). With WK > 1 the warps' partial sums reuse
     # its bytes after the loop (`_sum_k_slices`): zero rows pad it to their size, so that the
-    # table stays the largest allocation and starts at global_smem.
+    # table stays the largest allocation and starts at global_smem (the TMA slot is smaller).
     SUMS: gl.constexpr = 4 * (TM // 8) * W * 128 // (COPIES * EW) if WK > 1 else 0
     ROWS: gl.constexpr = NE if SUMS <= NE else SUMS
+    # the first chunk's loads go out before the table is built; with PDL x waits for the
+    # previous kernel to finish, after the table
+    if TMA:  # one slot of WK boxes: a CTA iteration's words, copied while the last is computed
+        gl.static_assert(BITS == 4 and CH == 4 and WK == W, "TMA staging: K = 4, CH 4, WK = W")
+        gl.static_assert(WK * 4096 < ROWS * COPIES * EW * 4, "TMA slot must be below the table")
+        w_slot = gl.allocate_shared_memory(gl.int32, [WK, 64, 16], w_desc.layout)
+        bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(bar, count=1)
+        wrow = gl.program_id(0) * 64
+        if GROUPED:
+            wrow = expert * (NB * 64) + wrow
+        _tma_stage(0, w_desc, w_slot, bar, wrow, sp, n_iter, SPLIT, WK)
+        ss = _load_scales(s_ptr, b0, s_off, nb_ok, KBP, KBS, MASK_K)
+    else:
+        ws, ss = _load_weights(
+            q_ptr, s_ptr, b0, q_off, h_off, c, s_off, nb_ok, KBP, KBS, CH, BITS, MASK_K
+        )
+    if not PDL:
+        xs = _load_x(x_ptr, b0, x_off, x_pair, K2, CH, TM)
     LF: gl.constexpr = gl.BlockedLayout([1, 1, EW], [32 // COPIES, COPIES, 1], [W, 1, 1], [2, 1, 0])
     le = gl.arange(0, ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(1, LF)))
     li = gl.arange(0, EW, layout=gl.SliceLayout(0, gl.SliceLayout(1, LF)))
@@ -452,7 +521,12 @@ def kbit_mma_kernel(
     accs = _zeros(4 * (TM // 8), W, L3)
     for it in range(n_iter - 1):  # the last chunk after the loop: no loads past the plan
         b_next = b0 + (it + 1) * SPLIT * WK * CH
-        if PIPE:  # the next chunk's loads before this chunk's math
+        if TMA:
+            ws = _tma_words(it, w_desc, w_slot, bar, wrow, sp, n_iter, L3, SPLIT, WK)
+            accs = _chunk(ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16, UE8M0)
+            ss = _load_scales(s_ptr, b_next, s_off, nb_ok, KBP, KBS, MASK_K)
+            xs = _load_x(x_ptr, b_next, x_off, x_pair, K2, CH, TM)
+        elif PIPE:  # the next chunk's loads before this chunk's math
             nws, nxs, nss = _load_chunk(
                 q_ptr, x_ptr, s_ptr, b_next, q_off, h_off, c, x_off, x_pair, s_off, nb_ok,
                 KBP, KBS, K2, CH, TM, BITS, MASK_K,
@@ -467,6 +541,9 @@ def kbit_mma_kernel(
                 q_ptr, x_ptr, s_ptr, b_next, q_off, h_off, c, x_off, x_pair, s_off, nb_ok,
                 KBP, KBS, K2, CH, TM, BITS, MASK_K,
             )  # fmt: skip
+    if TMA:
+        ws = _tma_words(n_iter - 1, w_desc, w_slot, bar, wrow, sp, n_iter, L3, SPLIT, WK)
+        mbarrier.invalidate(bar)  # its bytes may be reused by the sums below
     accs = _chunk(ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16, UE8M0)
     if LATE_RELEASE:
         pdl.release(PDL)
@@ -558,10 +635,22 @@ def plan(
     return wb, split, n_iter
 
 
+def tma_staging(
+    device: torch.device, bits: int, tm: int, warps: int, wk: int, chunk: int, copies: int
+) -> bool:
+    """Whether a launch stages its weight words by TMA (`_tma_words`): on sm_90+ for K = 4 (and
+    MXFP4) one-quad chunks with every warp on one column block, 8-token tiles (measured faster
+    at one token, slower for 16-token tiles: benchmarks/kbit-lab-log.md §19), and a table (32
+    copies) larger than the 16 KB slot, so that it stays at the start of shared memory."""
+    if device.type != "cuda" or cuda_capability(device) < (9, 0):
+        return False
+    return bits == 4 and tm == 8 and chunk == 4 and wk == warps and copies * 1024 > 4096 * wk
+
+
 def _launch(
     x2, qweight, scales, lut, rows, N, bits, bias, tm, token_tiles, *, group=None, ue8m0=False,
     planned_tiles=None, warps=4, chunk=4, ctas_per_sm=4, copies=1, pipe=False, maxnreg=None,
-    wk=None, act=None,
+    wk=None, act=None, stage_by_tma=None,
 ):  # fmt: skip
     """One launch of `kbit_mma_kernel` over ``token_tiles`` tiles of ``tm`` tokens, into a new
     output of ``rows`` rows in x's dtype (the split
@@ -578,7 +667,10 @@ def _launch(
     separate kernel. With PDL, a fused dense launch of more CTAs than one wave
     (``ctas_per_sm`` per SM) lets the next kernel launch only once each CTA has streamed its K:
     launched earlier, the next GEMM's CTAs slowed the last wave (benchmarks/kbit-lab-log.md
-    §16; grouped MXFP4 launches keep the early release, not measured)."""
+    §16; grouped MXFP4 launches keep the early release, not measured).
+
+    ``stage_by_tma``: the weight words come through a TMA-filled shared-memory slot instead of
+    register loads (None: `tma_staging` decides)."""
     _check_options(bits, chunk, copies)
     K = x2.shape[1]
     n_pad, kbp = qweight.shape[-2], qweight.shape[-1] // bits
@@ -598,6 +690,14 @@ def _launch(
     block_expert, block_row, m_indptr, gather = group if grouped else (out, out, out, None)
     has_bias = bias is not None
     sw = scales.view(torch.int32)
+    if stage_by_tma is None:
+        stage_by_tma = tma_staging(x2.device, bits, tm, warps, wk, chunk, copies)
+    w_desc = None
+    if stage_by_tma:
+        w_desc = TensorDescriptor.from_tensor(
+            qweight.view(-1, qweight.shape[-1]), [64, 16],
+            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2),
+        )  # fmt: skip
     kbit_mma_kernel[grid](
         x2.view(torch.int32), qweight, sw, lut, bias if has_bias else out, out, ws, cnt,
         block_expert, block_row, m_indptr, gather if gather is not None else out,
@@ -605,12 +705,12 @@ def _launch(
         qweight.shape[0] if grouped else 1, x2.stride(0) // 2, out.stride(0),
         qweight.stride(0) if grouped else 0, sw.stride(0) if grouped else 0,
         bias.stride(0) if grouped and has_bias else 0,
-        fn.alpha if fuse else 1.0, fn.clamp if fuse else 0.0,
+        fn.alpha if fuse else 1.0, fn.clamp if fuse else 0.0, w_desc,
         W=warps, CH=chunk, TM=tm, SPLIT=split, COPIES=copies, BITS=bits, PIPE=pipe,
         MASK_N=NB % wb != 0, MASK_K=split * n_iter * wk * chunk != kbp, WK=wk,
         HAS_BIAS=has_bias, IS_BF16=x2.dtype == torch.bfloat16, UE8M0=ue8m0,
         GROUPED=grouped, GATHER=gather is not None,
-        ACT=_ACT_CODES[fn.kind] if fuse else 0, num_warps=warps,
+        ACT=_ACT_CODES[fn.kind] if fuse else 0, num_warps=warps, TMA=stage_by_tma,
         LATE_RELEASE=fuse and not grouped and tiles > ctas_per_sm * sms,
         **pdl.launch_options(pdl.enabled(x2.device)),
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
@@ -636,6 +736,7 @@ def kbit_mma_matmul(
     maxnreg: int | None = None,
     wk: int | None = None,
     act: tuple[GatedAct, int] | None = None,
+    stage_by_tma: bool | None = None,
 ) -> torch.Tensor:
     """out[M, N] = x2[M, K] @ W.T (+ bias) for a field-packed weight (``qweight``, ``scales``
     of `layout.KbitWeight`) and its `lookup_table` ``lut`` in x's dtype; x2 fp16/bf16 on CUDA.
@@ -644,14 +745,14 @@ def kbit_mma_matmul(
     memory (1..32, a power of two), ``warps`` 64-column blocks per CTA, ``maxnreg`` a cap on
     registers per thread (None: the compiler's choice), ``wk`` warps per 64-column block
     splitting its chunks (None: all ``warps``; see `_launch`); ``act``: a gated pair's
-    activation, out [M, N / 2] (see `_launch`)."""
+    activation, out [M, N / 2] (see `_launch`); ``stage_by_tma``: see `_launch`."""
     x2 = as_int32_pairs(x2)
     M = x2.shape[0]
     tm = 8 if M <= 8 else 16
     return _launch(
         x2, qweight, scales, lut, M, N, bits, bias, tm, triton.cdiv(M, tm), warps=warps,
         chunk=chunk, ctas_per_sm=ctas_per_sm, copies=copies, pipe=pipe, maxnreg=maxnreg, wk=wk,
-        act=act,
+        act=act, stage_by_tma=stage_by_tma,
     )  # fmt: skip
 
 

@@ -546,6 +546,7 @@ def test_gpu_tma_staging_matches_register_loads(dtype):
                 for on in (False, True)
             ]
             want = x.double() @ ref.double().t() + bias.double()
+            assert torch.isfinite(runs[1]).all(), f"N={N} K={K} M={M} {dtype}"
             assert _rel(runs[1], want) < TOL[dtype], f"N={N} K={K} M={M} {dtype}"
             if N == 24576:
                 assert torch.equal(runs[0], runs[1]), f"N={N} K={K} M={M} {dtype}"

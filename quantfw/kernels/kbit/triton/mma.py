@@ -482,7 +482,7 @@ def kbit_mma_kernel(
     ROWS: gl.constexpr = NE if SUMS <= NE else SUMS
     # the first chunk's loads go out before the table is built; with PDL x waits for the
     # previous kernel to finish, after the table
-    if TMA:  # one slot of WK boxes: a CTA iteration's words, copied while the last is computed
+    if TMA:  # one slot of WK boxes: an iteration's words, copied during the previous one's math
         gl.static_assert(BITS == 4 and CH == 4 and WK == W, "TMA staging: K = 4, CH 4, WK = W")
         gl.static_assert(WK * 4096 < ROWS * COPIES * EW * 4, "TMA slot must be below the table")
         w_slot = gl.allocate_shared_memory(gl.int32, [WK, 64, 16], w_desc.layout)

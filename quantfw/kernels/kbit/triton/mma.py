@@ -208,9 +208,7 @@ def _load_weights(
             if BITS % 2 == 1:
                 hs = hs + (gl.load(q_ptr + h_off + at, mask=ok, other=0) >> (8 * c),)
         ws = ws + hs
-        for h in gl.static_range(2):
-            col = 32 * h * KBS
-            ss = ss + (gl.load(s_ptr + s_off + (col + bq // SCALE_BLOCKS), mask=ok, other=0),)
+        ss = ss + _load_scales(s_ptr, bq, s_off, nb_ok, KBP, KBS, MASK)
     return ws, ss
 
 
@@ -357,13 +355,13 @@ def _tma_words(
 
 
 @gluon.jit
-def _load_scales(s_ptr, b0, s_off, nb_ok, KBP, KBS, MASK: gl.constexpr):
-    """`_load_weights`' scale bundles of one quad."""
-    ok = nb_ok & (b0 < KBP) if MASK else nb_ok
+def _load_scales(s_ptr, bq, s_off, nb_ok, KBP, KBS, MASK: gl.constexpr):
+    """The scale bundles of the quad from block ``bq`` (per 4 blocks: j < 2, j >= 2)."""
+    ok = nb_ok & (bq < KBP) if MASK else nb_ok
     ss = ()
     for h in gl.static_range(2):
         col = 32 * h * KBS
-        ss = ss + (gl.load(s_ptr + s_off + (col + b0 // SCALE_BLOCKS), mask=ok, other=0),)
+        ss = ss + (gl.load(s_ptr + s_off + (col + bq // SCALE_BLOCKS), mask=ok, other=0),)
     return ss
 
 

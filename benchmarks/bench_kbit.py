@@ -43,6 +43,7 @@ from bench_w4a16 import gpu_meta, log, plot_panels, select_shapes  # noqa: E402
 
 from quantfw.kernels import kbit  # noqa: E402
 from quantfw.kernels import w4a16 as W  # noqa: E402
+from quantfw.kernels.common import is_sm90  # noqa: E402
 from quantfw.kernels.common.timing import graph_time, graph_times, n_copies  # noqa: E402
 from quantfw.kernels.kbit import tables as KT  # noqa: E402
 from quantfw.kernels.kbit.configs import candidate_configs  # noqa: E402
@@ -86,6 +87,8 @@ def bench_shape(name, K, N, ms, bits_list, copy_bw, mm_rate, l2, log):
     if 4 in bits_list:
         awq = [random_awq(K, N, G, "cuda") for _ in range(n_copies(packed_bytes(K, N, G), l2))]
     device_name = torch.cuda.get_device_name()
+    # timed as CUDA-graph replays, so the defaults are those of calls made for graphs
+    graphed = is_sm90(torch.device("cuda"))
     for bits in bits_list:
         wbytes = kbit.tiled_nbytes(N, K, bits)
         weights = [random_kbit(N, K, bits, "cuda") for _ in range(n_copies(wbytes, l2))]
@@ -98,13 +101,14 @@ def bench_shape(name, K, N, ms, bits_list, copy_bw, mm_rate, l2, log):
             def run(cfg, x=x, weights=weights):
                 return [lambda w=w: KD.kbit_matmul_cuda(x, w, config=cfg) for w in weights]
 
-            log(f"  {name} K={bits} M={M}: tuning {len(candidate_configs(M))} configs ...")
+            n_cands = len(candidate_configs(M, bits, graphed))
+            log(f"  {name} K={bits} M={M}: tuning {n_cands} configs ...")
             t0 = time.time()
             cfg = KD.tune(
                 x, weights[0], bench=lambda c, run=run, est=floor_us: graph_time(run(c), est)
             )
             tune_s = time.time() - t0
-            default_cfg = KT.untuned_config(device_name, M, N, K, bits)
+            default_cfg = KT.untuned_config(device_name, M, N, K, bits, graphed)
             deq_cfg = ("deq", 128, 128, 8)
             methods = {
                 "fp16": [lambda w=w, x=x: F.linear(x, w) for w in fp16_ws],

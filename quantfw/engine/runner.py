@@ -23,6 +23,7 @@ from torch import nn
 from quantfw import distributed as qdist
 from quantfw.engine.kv_cache import KVCache
 from quantfw.engine.scheduler import StepBatch
+from quantfw.kernels.common.launch_mode import graph_launches
 from quantfw.layers.attention import AttentionBackend, AttentionMetadata
 
 _STEP, _STOP = 0, 1
@@ -176,16 +177,18 @@ class DecodeGraphs:
         self.pool = None
         # run every bucket before capturing any, so that buffers kernels grow on first use
         # (split-K workspaces) reach their final size outside the graphs
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for bs in self.buckets:
-                for _ in range(2):
-                    self.step_index.zero_()
-                    self._forward(bs)
-        torch.cuda.current_stream().wait_stream(stream)
-        for bs in reversed(self.buckets):  # largest first so smaller ones reuse its pool
-            self._capture(bs)
+        # (kernels may pick launches that are cheap on the GPU but not on the host: replayed)
+        with graph_launches():
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for bs in self.buckets:
+                    for _ in range(2):
+                        self.step_index.zero_()
+                        self._forward(bs)
+            torch.cuda.current_stream().wait_stream(stream)
+            for bs in reversed(self.buckets):  # largest first so smaller ones reuse its pool
+                self._capture(bs)
 
     def _forward(self, bs: int) -> torch.Tensor:
         ids, pos, ctx, active = self.inputs[:, :bs].unbind(0)

@@ -151,15 +151,26 @@ def test_tables_round_trip(tmp_path, monkeypatch):
 
 def test_shipped_tables_are_valid(monkeypatch):
     """Every shipped table loads (each entry a well-formed config); the H200 one covers
-    bench_kbit.py's shapes at K = 2 and 4 and is what an untuned call there gets."""
+    bench_kbit.py's shapes and token counts at K = 2 and 4 and is what an untuned call there
+    gets."""
     monkeypatch.delenv(T.ENV_DIR, raising=False)
     T.TABLES.cache_clear()
     files = sorted(T.PACKAGE_DIR.glob("kbit-*.json"))
     assert [f.name for f in files] == ["kbit-NVIDIA_H200.json"]
     table = T.TABLES.load_table(files[0])
     assert set(table) == {(n, k, b) for n, k in ((24576, 4096), (4096, 12288)) for b in (2, 4)}
-    assert all(set(per_m) == {1, 4, 16, 64, 256, 1024} for per_m in table.values())
-    assert T.untuned_config("NVIDIA H200", 64, 24576, 4096, 4) == table[(24576, 4096, 4)][64]
+    bench_ms = {1, 4, 16, 64, 256, 1024}
+    assert all(set(per_m) == bench_ms for (_, _, b), per_m in table.items() if b == 2)
+    # K = 4 also at 128 and 512 tokens (the wgmma kernel's sweep)
+    assert all(set(per_m) == bench_ms | {128, 512} for (_, _, b), per_m in table.items() if b == 4)
+    assert T.untuned_config("NVIDIA H200", 64, 24576, 4096, 2) == table[(24576, 4096, 2)][64]
+    # the wgmma entries serve calls for CUDA graphs; eager calls get the default instead
+    assert T.untuned_config("NVIDIA H200", 64, 24576, 4096, 4, True) == ("wgmma", 64, 4, 64)
+    assert T.untuned_config("NVIDIA H200", 100, 24576, 4096, 4, True) == ("wgmma", 128, 3, 128)
+    assert T.untuned_config("NVIDIA H200", 64, 24576, 4096, 4) == C.default_config(
+        64, 24576, 4096, 4
+    )
+    assert T.untuned_config("NVIDIA H200", 4, 24576, 4096, 4) == table[(24576, 4096, 4)][4]
     T.TABLES.cache_clear()
 
 

@@ -115,10 +115,13 @@ def test_wgmma_kernel_compiles_for_sm90_without_a_gpu():
         x = torch.zeros(256, 2880, dtype=torch.bfloat16)
         x_layout = gl.NVMMASharedLayout.get_default_for([bt, 64], gl.bfloat16)
         sig = {"x_desc": desc_type(x, [bt, 64], x_layout), "w_desc": desc_type(q, [128, 16], w_layout),
-               "s_ptr": "*i32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "block_expert_ptr": "*i32",
-               "block_row_ptr": "*i32", "m_indptr_ptr": "*i64", "N": "i32", "N_PAD": "i32",
-               "n_iter": "i32", "num_experts": "i32", "stride_be": "i32", "stride_om": "i32"}  # fmt: skip
-        consts = {"BT": bt, "CH": chunk, "S": stages, "ODD": odd, "HAS_BIAS": True}
+               "s_ptr": "*i32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
+               "cnt_ptr": "*i32", "block_expert_ptr": "*i32", "block_row_ptr": "*i32",
+               "m_indptr_ptr": "*i64", "num_rows": "i32", "N": "i32", "N_PAD": "i32",
+               "n_quads": "i32", "n_iter": "i32", "num_experts": "i32", "stride_be": "i32",
+               "stride_om": "i32"}  # fmt: skip
+        consts = {"BT": bt, "CH": chunk, "S": stages, "ODD": odd, "HAS_BIAS": True,
+                  "DECODE": wgmma.E2M1_DECODE, "DENSE": False, "SPLIT": 1}  # fmt: skip
         kernel = compile_for_sm90(wgmma.mxfp4_wgmma_kernel, sig, consts, num_warps=8)
         assert kernel.metadata.shared <= 227 * 1024
         ptx = kernel.asm["ptx"]

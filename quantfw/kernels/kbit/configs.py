@@ -18,7 +18,13 @@ Config tuples:
   ``ctas_per_sm`` CTAs per SM; ``swap``: compute ``W @ x.T`` (the decoded weight tile is the
   MMA's first operand, read from registers by Hopper's wgmma; block_n fills its M >= 64);
 * ``("deq", block_n, block_k, warps)``: ``kbit_dequant_kernel`` writes a transient dense
-  ``[N, K]`` weight in the activation dtype, then cuBLAS (``F.linear``).
+  ``[N, K]`` weight in the activation dtype, then cuBLAS (``F.linear``);
+* ``("wgmma", block_tokens, stages, chunk)`` (K = 4 on sm_90): ``triton/wgmma.py``, the Hopper
+  kernel of ``mxfp4/triton/wgmma.py`` (codebook lookups by ``prmt`` into wgmma's register
+  operand, x tiles by TMA), ``block_tokens`` (64, 128, 256) rows per CTA in wgmma chunks of
+  ``chunk`` rows (a chunk past the last row is skipped), ``stages`` deep. Two launches and
+  about 100 us of host time a call, so chosen by default only for calls made for CUDA graphs
+  (`common.launch_mode`: the engine's decode batches), where launches are replayed.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ CONFIG_FIELDS: dict[str, tuple[tuple[str, type], ...]] = {
     "fused": (("block_m", int), ("block_n", int), ("block_k", int), ("warps", int),
               ("stages", int), ("ctas_per_sm", int), ("swap", bool)),
     "deq": (("block_n", int), ("block_k", int), ("warps", int)),
+    "wgmma": (("block_tokens", int), ("stages", int), ("chunk", int)),
 }  # fmt: skip
 
 BLOCK_KS = (128, 256)  # whole quads of blocks (layout.QUAD * 32) dividing layout.PAD_K
@@ -42,6 +49,18 @@ FUSED_DEFAULT_MAX_M = 128
 #: largest M it serves by default
 MMA_BITS = (2, 3, 4, 5)
 MMA_DEFAULT_MAX_M = 16
+#: bits the wgmma kernel serves (sm_90) and its configs: 64-, 128- and 256-token tiles
+WGMMA_BITS = (4,)
+WGMMA_64, WGMMA_128, WGMMA_256 = (
+    ("wgmma", 64, 4, 64),
+    ("wgmma", 128, 3, 128),
+    ("wgmma", 256, 3, 256),
+)
+#: weights (N * K) from which 256-token tiles win at 129..256 tokens, and N from which they
+#: win over dequantize + cuBLAS up to 1024 (H200, benchmarks/kbit-lab-log.md §20)
+WGMMA_256_MIN_WEIGHTS = 32 * 2**20
+WGMMA_WIDE_MIN_N = 16384
+WGMMA_MAX_M = 1024
 
 
 def _mma_copies(bits: int) -> int:
@@ -60,6 +79,19 @@ def _mma_default(M: int, bits: int) -> tuple:
     return ("mma", 4, 4, 3 if M <= 8 else 4, _mma_copies(bits), False)
 
 
+def _wgmma_default(M: int, N: int, K: int) -> tuple | None:
+    """The wgmma kernel's tile for M > 16 tokens on sm_90 where it beat the other paths at
+    Qwen3-8B's shapes (H200): every shape to 128 tokens, then the large weights (256-token
+    tiles), then only the widest (gate_up) to 1024; None: dequantize + cuBLAS."""
+    if M <= 64:
+        return WGMMA_64
+    if M <= 128:
+        return WGMMA_128
+    if M <= 256 and N * K >= WGMMA_256_MIN_WEIGHTS or M <= WGMMA_MAX_M and N >= WGMMA_WIDE_MIN_N:
+        return WGMMA_256
+    return None
+
+
 def _pow2(v: int) -> bool:
     return v > 0 and v & (v - 1) == 0
 
@@ -68,6 +100,16 @@ def check_config(cfg: tuple, where: str = "kbit config") -> tuple:
     """``cfg`` if it is a well-formed kbit config; a ValueError naming ``where`` otherwise."""
     cfg = check_fields(cfg, CONFIG_FIELDS, where)
     fields = dict(zip((n for n, _ in CONFIG_FIELDS[cfg[0]]), cfg[1:]))
+    if cfg[0] == "wgmma":
+        bt, chunk = fields["block_tokens"], fields["chunk"]
+        if bt not in (64, 128, 256) or chunk < 32 or bt % chunk or bt // chunk > 4:
+            raise ValueError(
+                f"{where}: block_tokens={bt}, chunk={chunk}: tiles of 64, 128 or 256 rows in "
+                "1, 2 or 4 chunks of at least 32"
+            )
+        if not 2 <= fields["stages"] <= 6:
+            raise ValueError(f"{where}: stages={fields['stages']} must be 2..6")
+        return cfg
     if cfg[0] == "mma":
         if fields["warps"] not in (1, 2, 4, 8):
             raise ValueError(f"{where}: warps={fields['warps']} must be 1, 2, 4 or 8")
@@ -85,11 +127,16 @@ def check_config(cfg: tuple, where: str = "kbit config") -> tuple:
     return cfg
 
 
-def default_config(M: int, N: int, K: int, bits: int) -> tuple:
-    """The heuristic config of an untuned call (few tokens: the mma kernel; up to
-    ``FUSED_DEFAULT_MAX_M``: fused; beyond: dequantize + cuBLAS)."""
+def default_config(M: int, N: int, K: int, bits: int, wgmma: bool = False) -> tuple:
+    """The heuristic config of an untuned call (few tokens: the mma kernel; beyond, where the
+    wgmma kernel may run (`wgmma`: sm_90, launches replayed from CUDA graphs) at K = 4: that
+    kernel; elsewhere up to ``FUSED_DEFAULT_MAX_M``: fused, then dequantize + cuBLAS)."""
     if M <= MMA_DEFAULT_MAX_M and bits in MMA_BITS:
         return _mma_default(M, bits)
+    if wgmma and bits in WGMMA_BITS:
+        tile = _wgmma_default(M, N, K)
+        if tile is not None:
+            return tile
     if M <= 16:
         return ("fused", 16, 128, 128, 8, 1, 4, True)
     if M <= 32:
@@ -101,8 +148,9 @@ def default_config(M: int, N: int, K: int, bits: int) -> tuple:
     return ("deq", 128, 128, 8)
 
 
-def candidate_configs(M: int, bits: int = 4) -> list[tuple]:
-    """The small set tried by tune() for one M bucket and bit width (the default first)."""
+def candidate_configs(M: int, bits: int = 4, wgmma: bool = False) -> list[tuple]:
+    """The small set tried by tune() for one M bucket and bit width (the default first;
+    `wgmma`: with the wgmma kernel's configs from 16 tokens at K = 4)."""
     deq = [("deq", 128, 128, 8), ("deq", 64, 256, 4)]
     if M <= 16:
         cands = [
@@ -137,4 +185,6 @@ def candidate_configs(M: int, bits: int = 4) -> list[tuple]:
             ("mma", 4, 4, 4, _mma_copies(bits), True),
             ("mma", 4, 8, 4, 4, True),
         ] + cands
-    return list(dict.fromkeys([default_config(M, 0, 0, bits)] + cands))
+    if wgmma and bits in WGMMA_BITS and M >= 16:
+        cands += [WGMMA_64, ("wgmma", 128, 3, 64), WGMMA_128, WGMMA_256]
+    return list(dict.fromkeys([default_config(M, 0, 0, bits, wgmma)] + cands))

@@ -19,8 +19,13 @@ PACKAGE_DIR = Path(__file__).parent / "tuned"
 TABLES = ConfigTables("kbit", "kbit", ENV_DIR, PACKAGE_DIR, ("N", "K", "bits"), check_config)
 
 
-def untuned_config(device_name: str, M: int, N: int, K: int, bits: int) -> tuple:
+def untuned_config(
+    device_name: str, M: int, N: int, K: int, bits: int, wgmma: bool = False
+) -> tuple:
     """The config of a call that no ``tune()`` covered: the table entry for this GPU model,
-    shape and M bucket, else the heuristic ``default_config``."""
+    shape and M bucket, else the heuristic ``default_config``; `wgmma`: the wgmma kernel may
+    run (sm_90, launches for CUDA graphs), else its entries give way to the default."""
     tabled = TABLES.find_config(device_name, M, N, K, bits)
-    return tabled if tabled is not None else default_config(M, N, K, bits)
+    if tabled is not None and (wgmma or tabled[0] != "wgmma"):
+        return tabled
+    return default_config(M, N, K, bits, wgmma)

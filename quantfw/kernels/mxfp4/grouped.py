@@ -195,13 +195,15 @@ def linear(x: torch.Tensor, w: Mxfp4Weights, bias: torch.Tensor | None) -> torch
     if cfg.get("DEQUANT"):
         d = dequantize_dense(weights, x.dtype).weight[0]
         return torch.nn.functional.linear(x, d, bias)
-    plan = single_group(x2.shape[0], cfg["BLOCK_M"], x.device)
-    b = None if bias is None else bias.unsqueeze(0)
     if cfg.get("WGMMA"):
         from quantfw.kernels.mxfp4.triton import wgmma
 
-        xs = wgmma.input_order(x2.contiguous())
-        out = wgmma.grouped_gemm(xs, weights, plan, bias=b, **wgmma.options(cfg))
+        out = wgmma.dense_gemm(
+            wgmma.input_order(x2.contiguous()), w.qweight, w.scales, w.n, wgmma.E2M1_DECODE,
+            bias=bias, block_tokens=cfg["BLOCK_M"], owner=w, **wgmma.options(cfg),
+        )  # fmt: skip
     else:
+        plan = single_group(x2.shape[0], cfg["BLOCK_M"], x.device)
+        b = None if bias is None else bias.unsqueeze(0)
         out = grouped_gemm.grouped_gemm(x2, weights, plan, bias=b, config=cfg)
     return out.view(*x.shape[:-1], w.n)

@@ -1,9 +1,11 @@
-"""kbit on CUDA: launching the Triton kernels of ``kernels.py`` and the Gluon kernel of
-``mma.py``, config choice, tuning.
+"""kbit on CUDA: launching the Triton kernels of ``kernels.py`` and the Gluon kernels of
+``mma.py`` and ``wgmma.py``, config choice, tuning.
 
-A call's config: the one ``tune()`` cached for its (M bucket, N, K, bits, dtype, device) in this
-process, else the tuned table of this GPU model (``kbit.tables``), else the heuristic
-``configs.default_config``; resolved once per key, then a dict lookup. Nothing here
+A call's config: the one ``tune()`` cached for its (M bucket, N, K, bits, dtype, device, made
+for CUDA graphs or not) in this process, else the tuned table of this GPU model
+(``kbit.tables``), else the heuristic ``configs.default_config``; resolved once per key, then a
+dict lookup. The wgmma kernel serves only calls made for CUDA graphs (`_wgmma_allowed`) unless
+a config names it. Nothing here
 synchronizes with the host, so a call is CUDA-graph capturable once its config has been
 compiled and the split-K workspace sized (warm up every M bucket before capturing).
 
@@ -17,7 +19,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from quantfw.kernels.common import splitk
+from quantfw.kernels.common import is_sm90, splitk
+from quantfw.kernels.common.launch_mode import graph_launches_active
 from quantfw.kernels.common.timing import fastest_config
 from quantfw.kernels.fused import GatedAct
 from quantfw.kernels.kbit import format as kfmt
@@ -90,7 +93,13 @@ def gemm(
             weight.out_features, weight.bits, bias, warps, chunk, ctas_per_sm, copies, pipe,
             act=act,
         )  # fmt: skip
-    out = _gemm(x2, weight, bias, cfg, sms)
+    if cfg[0] == "wgmma":
+        from quantfw.kernels.kbit.triton.wgmma import kbit_wgmma_matmul
+
+        _, block_tokens, stages, chunk = cfg
+        out = kbit_wgmma_matmul(x2, weight, bias, block_tokens, stages, chunk)
+    else:
+        out = _gemm(x2, weight, bias, cfg, sms)
     return out if act is None else act[0](out, act[1])
 
 
@@ -100,7 +109,7 @@ def _gemm(x2, weight: KbitWeight, bias, cfg: tuple, sms: int | None) -> torch.Te
         _, block_n, block_k, warps = cfg
         return F.linear(x2, dequantize(weight, x2.dtype, block_n, block_k, warps), bias)
     if cfg[0] != "fused":
-        raise ValueError(f"kbit: unknown kernel config {cfg!r}; kinds: mma, fused, deq")
+        raise ValueError(f"kbit: unknown kernel config {cfg!r}; kinds: mma, wgmma, fused, deq")
     _, bm, bn, bk, warps, stages, ctas_per_sm, swap = cfg
     M, K = x2.shape
     N = weight.out_features
@@ -136,6 +145,13 @@ def _lookup_table(weight: KbitWeight, dtype: torch.dtype) -> torch.Tensor:
     return lut
 
 
+def _wgmma_allowed(x2: torch.Tensor) -> bool:
+    """The wgmma kernel (two launches, ~100 us of host time a call) by default only on sm_90
+    for calls made for CUDA graphs: eager short prefills are host-bound
+    (benchmarks/kbit-lab-log.md §20)."""
+    return is_sm90(x2.device) and graph_launches_active()
+
+
 def _key(x2: torch.Tensor, weight: KbitWeight) -> tuple:
     return (
         m_bucket(x2.shape[0]),
@@ -144,6 +160,7 @@ def _key(x2: torch.Tensor, weight: KbitWeight) -> tuple:
         weight.bits,
         x2.dtype,
         x2.device.index,
+        graph_launches_active(),
     )
 
 
@@ -163,7 +180,9 @@ def kbit_matmul_cuda(
         if config is None:
             name = torch.cuda.get_device_name(x2.device)
             M, K = x2.shape
-            config = untuned_config(name, M, weight.out_features, K, weight.bits)
+            config = untuned_config(
+                name, M, weight.out_features, K, weight.bits, _wgmma_allowed(x2)
+            )
             _CONFIG_CACHE[key] = config
     if bias is not None:
         bias = bias.contiguous()
@@ -173,9 +192,11 @@ def kbit_matmul_cuda(
 def tune(x2, weight: KbitWeight, bias=None, rep_ms: float = 20.0, bench=None) -> tuple | None:
     """Time candidate_configs for this (M bucket, shape, dtype) and cache the fastest (at
     warm-up, never on the hot path). `bench(cfg)`, when given, returns the time of one call
-    with `cfg`: pass one that rotates weight copies past L2."""
+    with `cfg`: pass one that rotates weight copies past L2. On sm_90 the wgmma kernel's
+    configs are candidates too, timed without their host cost: tune calls made for CUDA
+    graphs (inside `common.launch_mode.graph_launches`)."""
     best = fastest_config(
-        candidate_configs(x2.shape[0], weight.bits),
+        candidate_configs(x2.shape[0], weight.bits, is_sm90(x2.device)),
         lambda cfg: kbit_matmul_cuda(x2, weight, bias, config=cfg),
         bench,
         rep_ms,

@@ -1,9 +1,14 @@
-"""Grouped MXFP4 x bf16 GEMM on Hopper (sm_90) for prefill: each expert's weights decoded in
-registers as the A operand of ``wgmma``, the expert's rows of activations streamed by TMA; no
-dequantized copy of the experts is written.
+"""Grouped or dense GEMM of 4-bit weights x bf16 / fp16 activations on Hopper (sm_90) for
+prefill and batches: the weights decoded in registers as the A operand of ``wgmma``, the rows
+of activations streamed by TMA; no dequantized copy of the weights is written. The weights are
+MXFP4 (E2M1 codes, UE8M0 block scales: `mxfp4.layout`) or kbit K = 4 (codebook indices, E4M4
+block scales: `kbit.layout`, byte for byte the same runtime layout); a launch's ``DECODE``
+(inline PTX: `dequantize.e2m1_word_bf16_asm`, `kbit.triton.wgmma.codebook_word_asm`) turns one
+word of 8 codes and its scale byte into 8 values.
 
 ``out[r] = x[r] @ W[e(r)].T (+ bias[e(r)])`` for rows sorted by expert, cut into BT-row blocks
-(`kernels.moe.BlockPlan`). A CTA computes ``W x^T`` for 128 output columns (two warpgroups of
+(`kernels.moe.BlockPlan`), or with ``DENSE`` for the rows of one weight (block b: rows
+``b BT ..``, no plan). A CTA computes ``W x^T`` for 128 output columns (two warpgroups of
 64, sharing the x tiles) of one block, streaming K one quad (4 blocks of 32 inputs) per
 pipeline stage: a TMA copy of the quad's weight words (``[128 rows, 16 words]`` of
 `mxfp4.layout`'s ``qweight``) and two of x (``[BT, 64]`` each) land on the stage's mbarrier.
@@ -16,9 +21,8 @@ uses them for the block's two k16 steps: input ``8 c + 4 s + 2 h + b`` goes to k
 (`input_order`: within each block of 32, position ``16 s + 8 h + 2 c + b`` holds input ``8 c +
 4 s + 2 h + b``; for W13 in the same copy as the gather of the sorted rows, for W2 by the
 activation kernel as it writes, `fused.GatedAct` with ``pairs_transposed``), so the sums are
-those of ``x @ W.T``. In `mxfp4.layout`'s quad interleave, words c of a quad's 4 blocks are 16
-contiguous bytes: one 16-byte shared-memory read per row and quad. Words decode two values per
-instruction (`dequantize.e2m1_word_bf16_asm`), each rounded once as `mxfp4.dequantize` does.
+those of ``x @ W.T``. In the quad interleave, words c of a quad's 4 blocks are 16 contiguous
+bytes: one 16-byte shared-memory read per row and quad.
 
 The tile's BT tokens run as BT / CH wgmma chunks of CH tokens (one accumulator each); a chunk
 past the block's rows is not started, so an expert's last block costs its rows rounded up to
@@ -30,6 +34,8 @@ after the loop.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -45,17 +51,20 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from quantfw.kernels.common import splitk
 from quantfw.kernels.fused.reference import transpose_pairs
 from quantfw.kernels.moe.sort import BlockPlan
 from quantfw.kernels.mxfp4.triton.dequantize import e2m1_word_bf16_asm
+from quantfw.kernels.w4a16.triton.mma import _finish_tile
 
 #: output columns per CTA (two warpgroups of 64) and warps
 BLOCK_N, NUM_WARPS = 128, 8
 #: token rows per CTA the kernel supports (wgmma's N), and the default pipeline depth
 BLOCK_TOKENS = (64, 128, 256)
 DEFAULT_STAGES = 3
-# pack = 8: $4..$11 the word (broadcast), $12..$19 its UE8M0 byte; $0..$3 the 8 values
-_ASM = gl.constexpr(e2m1_word_bf16_asm(4, 12))
+#: MXFP4's decode. A DECODE string takes, with pack = 8, $4..$11 the word (broadcast) and
+#: $12..$19 its scale byte, and writes the 8 values as pairs to $0..$3
+E2M1_DECODE = e2m1_word_bf16_asm(4, 12)
 _CONSTRAINTS = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 16))
 
 
@@ -112,14 +121,16 @@ def _input_order_triton(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Ten
 
 
 @gluon.jit
-def _decode_quad(words, sc, DL: gl.constexpr, NW: gl.constexpr):
+def _decode_quad(
+    words, sc, DL: gl.constexpr, NW: gl.constexpr, DECODE: gl.constexpr, DTYPE: gl.constexpr
+):  # fmt: skip
     """A stage's A tile as two halves ``[16 NW, 64]`` (blocks 0, 1 and 2, 3 of the quad) from
-    words ``[NW, 2 t, 8 g, 4 c, 4 r]`` (row 16 w + 8 t + g, word c of block r) and their UE8M0
+    words ``[NW, 2 t, 8 g, 4 c, 4 r]`` (row 16 w + 8 t + g, word c of block r) and their scale
     bytes (same shape); k = 32 r + 16 s + 8 h + 2 c + b within the quad."""
     wb = gl.broadcast(gl.expand_dims(words, 5), gl.full([NW, 2, 8, 4, 4, 8], 0, gl.int32, DL))[0]
     sb = gl.broadcast(gl.expand_dims(sc, 5), wb)[0]
     v = gl.inline_asm_elementwise(
-        _ASM, _CONSTRAINTS, [wb, sb], dtype=gl.bfloat16, is_pure=True, pack=8
+        DECODE, _CONSTRAINTS, [wb, sb], dtype=DTYPE.value, is_pure=True, pack=8
     )  # value e = 4 s + 2 h + b of word c of block r
     v = gl.reshape(v, [NW, 2, 8, 4, 2, 2, 2, 2, 2])  # w, t, g, c, r // 2, r % 2, s, h, b
     v = gl.permute(v, [0, 1, 2, 5, 6, 7, 3, 8, 4])  # w, t, g, r % 2, s, h, c, b, r // 2
@@ -127,11 +138,11 @@ def _decode_quad(words, sc, DL: gl.constexpr, NW: gl.constexpr):
 
 
 @gluon.jit
-def _scales(s_ptr, s_off, q, n_iter, DL: gl.constexpr):
-    """The UE8M0 bytes of quad q of the thread's rows, ``[NW, 2, 8, 4, 4]`` int32 (one 4-byte
+def _scales(s_ptr, s_off, q, q_end, DL: gl.constexpr):
+    """The scale bytes of quad q of the thread's rows, ``[NW, 2, 8, 4, 4]`` int32 (one 4-byte
     load per row; zero past the last quad)."""
     # (s_off >= 0 always holds: it makes the mask a tensor of the offsets' layout)
-    word = gl.load(s_ptr + s_off + q, mask=(s_off >= 0) & (q < n_iter), other=0)
+    word = gl.load(s_ptr + s_off + q, mask=(s_off >= 0) & (q < q_end), other=0)
     WL: gl.constexpr = gl.SliceLayout(5, DL)
     r = gl.arange(
         0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, WL))))
@@ -141,7 +152,7 @@ def _scales(s_ptr, s_off, q, n_iter, DL: gl.constexpr):
 
 
 @gluon.jit
-def _load_stage(j, x_desc, w_desc, x_smem, w_smem, bars, row0, wrow0, n_iter):
+def _load_stage(j, x_desc, w_desc, x_smem, w_smem, bars, row0, wrow0, q0, n_iter):
     """TMA copies of stage j (quad j, if it exists) into slot j % S: the weight words and the
     activation tile's two halves (all BT rows: loading only the chunks that hold rows cost
     more in barriers than it saved, benchmarks/mxfp4-lab-log.md §17)."""
@@ -151,10 +162,10 @@ def _load_stage(j, x_desc, w_desc, x_smem, w_smem, bars, row0, wrow0, n_iter):
     ok = j < n_iter
     bar = bars.index(sj)
     mbarrier.expect(bar, 128 * 64 + BT * 128 * 2, pred=ok)
-    tma.async_copy_global_to_shared(w_desc, [wrow0, j * 16], bar, w_smem.index(sj), pred=ok)
+    tma.async_copy_global_to_shared(w_desc, [wrow0, (q0 + j) * 16], bar, w_smem.index(sj), pred=ok)
     for h in gl.static_range(2):
         tma.async_copy_global_to_shared(
-            x_desc, [row0, j * 128 + 64 * h], bar, x_smem.index(2 * sj + h), pred=ok
+            x_desc, [row0, (q0 + j) * 128 + 64 * h], bar, x_smem.index(2 * sj + h), pred=ok
         )
 
 
@@ -168,22 +179,22 @@ def _chunk_mma(a0, a1, xs0, xs1, acc, j: gl.constexpr, CH: gl.constexpr):
 @gluon.jit
 def _stage(
     i, acc0, acc1, acc2, acc3, sc, valid, x_desc, w_desc, x_smem, w_smem, bars, s_ptr, s_off,
-    row0, wrow0, n_iter, NW: gl.constexpr, DL: gl.constexpr, A_L: gl.constexpr,
-    S: gl.constexpr, CH: gl.constexpr, NCH: gl.constexpr,
+    row0, wrow0, q0, q_end, n_iter, NW: gl.constexpr, DL: gl.constexpr, A_L: gl.constexpr,
+    S: gl.constexpr, CH: gl.constexpr, NCH: gl.constexpr, DECODE: gl.constexpr,
 ):  # fmt: skip
     """Stage i: decode quad i's A (its scales `sc` were loaded a stage ahead) while stage i -
     1's wgmmas run, retire those, start stage i's on the token chunks that hold rows (`valid`
     of the tile's rows do) and refill stage i - 1's slot with stage i + S - 1; returns the
     accumulators and quad i + 1's scales."""
     s = i % S
-    sc_next = _scales(s_ptr, s_off, i + 1, n_iter, DL)
+    sc_next = _scales(s_ptr, s_off, i + 1, q_end, DL)
     mbarrier.wait(bars.index(s), (i // S) & 1)
     # the slot's bytes as [warp, t, g, c, r] for the per-thread 16-byte reads (no swizzle)
     w_view = w_smem.index(s)._reinterpret(
         gl.int32, [NW, 2, 8, 4, 4], gl.SwizzledSharedLayout(1, 1, 1, order=[4, 3, 2, 1, 0])
     )
     words = w_view.load(gl.SliceLayout(5, DL))
-    a0, a1 = _decode_quad(words, sc, DL, NW)
+    a0, a1 = _decode_quad(words, sc, DL, NW, DECODE, x_desc.dtype)
     a0 = gl.convert_layout(a0, A_L)
     a1 = gl.convert_layout(a1, A_L)
     # this warpgroup's wgmmas of stage i - 1 retire (a wait for all: the number of groups in
@@ -204,41 +215,78 @@ def _stage(
             acc3 = _chunk_mma(a0, a1, xs0, xs1, acc3, 3, CH)
     # every warpgroup has retired stage i - 1's wgmmas and holds its words in registers
     gl.thread_barrier()
-    _load_stage(i + S - 1, x_desc, w_desc, x_smem, w_smem, bars, row0, wrow0, n_iter)
+    _load_stage(i + S - 1, x_desc, w_desc, x_smem, w_smem, bars, row0, wrow0, q0, n_iter)
     return acc0, acc1, acc2, acc3, sc_next
 
 
 @gluon.jit
 def _store_chunk(
-    acc, j: gl.constexpr, row0, row_end, n0, N, expert, bias_ptr, out_ptr, stride_be,
-    stride_om, CH: gl.constexpr, NW: gl.constexpr, HAS_BIAS: gl.constexpr,
+    acc, j: gl.constexpr, row0, row_end, n0, N, N_PAD, bias_ptr, out_ptr, ws_ptr, stride_om,
+    CH: gl.constexpr, NW: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr,
+    LAST: gl.constexpr,
 ):  # fmt: skip
-    """Rows ``row0 + j CH ..`` of the tile (those before `row_end`), columns n0 .. n0 + 127."""
+    """Rows ``row0 + j CH ..`` of the tile (those before `row_end`), columns n0 .. n0 + 127:
+    stored (+ bias), or with SPLIT added into the workspace ``[rows, N_PAD]`` (LAST False) and
+    in the last CTA taken from it (`w4a16.triton.mma._finish_tile`)."""
     # tokens x columns, 8 consecutive columns per thread
     OL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
     v = gl.convert_layout(gl.permute(acc, (1, 0)), OL)
     m = row0 + j * CH + gl.expand_dims(gl.arange(0, CH, layout=gl.SliceLayout(1, OL)), 1)
     n = n0 + gl.expand_dims(gl.arange(0, 128, layout=gl.SliceLayout(0, OL)), 0)
-    if HAS_BIAS:
-        bias = gl.load(bias_ptr + expert.to(gl.int64) * stride_be + n, mask=n < N, other=0.0)
-        v = v + bias.to(gl.float32)
-    mask = (m < row_end) & (n < N)
-    gl.store(out_ptr + m.to(gl.int64) * stride_om + n, v.to(out_ptr.dtype.element_ty), mask=mask)
+    m = m.to(gl.int64)
+    _finish_tile(
+        v, out_ptr, ws_ptr, bias_ptr, m, n, m * N_PAD + n, m < row_end, N, stride_om, SPLIT,
+        HAS_BIAS, LAST, True, SWAP=False,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _store_tile(
+    acc0, acc1, acc2, acc3, valid, row0, row_end, n0, N, N_PAD, bias_ptr, out_ptr, ws_ptr,
+    stride_om, CH: gl.constexpr, NCH: gl.constexpr, NW: gl.constexpr, SPLIT: gl.constexpr,
+    HAS_BIAS: gl.constexpr, LAST: gl.constexpr,
+):  # fmt: skip
+    """`_store_chunk` of every chunk that holds rows."""
+    _store_chunk(
+        acc0, 0, row0, row_end, n0, N, N_PAD, bias_ptr, out_ptr, ws_ptr, stride_om, CH, NW,
+        SPLIT, HAS_BIAS, LAST,
+    )  # fmt: skip
+    if NCH > 1:  # noqa: SIM102
+        if valid > CH:
+            _store_chunk(
+                acc1, 1, row0, row_end, n0, N, N_PAD, bias_ptr, out_ptr, ws_ptr, stride_om, CH,
+                NW, SPLIT, HAS_BIAS, LAST,
+            )  # fmt: skip
+    if NCH > 2:
+        if valid > 2 * CH:
+            _store_chunk(
+                acc2, 2, row0, row_end, n0, N, N_PAD, bias_ptr, out_ptr, ws_ptr, stride_om, CH,
+                NW, SPLIT, HAS_BIAS, LAST,
+            )  # fmt: skip
+        if valid > 3 * CH:
+            _store_chunk(
+                acc3, 3, row0, row_end, n0, N, N_PAD, bias_ptr, out_ptr, ws_ptr, stride_om, CH,
+                NW, SPLIT, HAS_BIAS, LAST,
+            )  # fmt: skip
 
 
 @gluon.jit
 def mxfp4_wgmma_kernel(
-    x_desc,  # TMA descriptor of x [R, K] bf16 in `input_order`, block [BT, 64]
+    x_desc,  # TMA descriptor of x [R, K] bf16 / fp16 in `input_order`, block [BT, 64]
     w_desc,  # TMA descriptor of qweight viewed [E * N_pad, WPR] int32, block [128, 16]
-    s_ptr,  # scales viewed int32 [E * N_pad, WPR / 16] (4 UE8M0 bytes per quad)
+    s_ptr,  # scales viewed int32 [E * N_pad, WPR / 16] (4 scale bytes per quad)
     bias_ptr,
-    out_ptr,  # [R, N] bf16
-    block_expert_ptr,
-    block_row_ptr,
-    m_indptr_ptr,
+    out_ptr,  # [R, N], x's dtype
+    ws_ptr,  # fp32 split-K workspace [R, N_PAD] (zeros; read with SPLIT > 1)
+    cnt_ptr,  # int32 arrival counters (zeros), one per output tile
+    block_expert_ptr,  # (unused with DENSE)
+    block_row_ptr,  # (unused with DENSE)
+    m_indptr_ptr,  # (unused with DENSE)
+    num_rows,  # R (read with DENSE)
     N,
     N_PAD,
-    n_iter,  # quads per row (WPR / 16)
+    n_quads,  # quads per row (WPR / 16)
+    n_iter,  # quads per CTA: CTA sp of SPLIT takes quads sp n_iter .. (zeros past n_quads)
     num_experts,
     stride_be,
     stride_om,
@@ -248,15 +296,25 @@ def mxfp4_wgmma_kernel(
     S: gl.constexpr,
     ODD: gl.constexpr,  # n_iter is odd
     HAS_BIAS: gl.constexpr,
+    DECODE: gl.constexpr,  # inline PTX of one word and its scale byte (see E2M1_DECODE)
+    DENSE: gl.constexpr,  # one weight, block b = rows b BT .. (no plan)
+    SPLIT: gl.constexpr,  # CTAs per output tile along K (grid axis 2)
 ):
     NW: gl.constexpr = 8
     pid_n = gl.program_id(0)
     blk = gl.program_id(1)
-    expert = gl.load(block_expert_ptr + blk)
-    if expert >= num_experts:
-        return
-    row0 = gl.load(block_row_ptr + blk)
-    row_end = gl.load(m_indptr_ptr + expert + 1).to(gl.int32)
+    q0 = gl.program_id(2) * n_iter
+    q_end = n_quads - q0
+    if DENSE:
+        expert = gl.to_tensor(0)
+        row0 = blk * BT
+        row_end = num_rows
+    else:
+        expert = gl.load(block_expert_ptr + blk)
+        if expert >= num_experts:
+            return
+        row0 = gl.load(block_row_ptr + blk)
+        row_end = gl.load(m_indptr_ptr + expert + 1).to(gl.int32)
     n0 = pid_n * 128
     wrow0 = expert * N_PAD + n0
 
@@ -289,54 +347,53 @@ def mxfp4_wgmma_kernel(
     srow = wrow0 + 16 * w4 + 8 * t4 + g4 + 0 * c4
     # rows past this expert's N_pad belong to the next one (their outputs are not stored)
     srow = gl.minimum(srow, num_experts * N_PAD - 1)
-    s_off = srow.to(gl.int64) * n_iter
+    s_off = srow.to(gl.int64) * n_quads + q0
 
     valid = gl.minimum(row_end - row0, BT)
     for b in gl.static_range(S - 1):
-        _load_stage(b, x_desc, w_desc, x_smem, w_smem, bars, row0, wrow0, n_iter)
+        _load_stage(b, x_desc, w_desc, x_smem, w_smem, bars, row0, wrow0, q0, n_iter)
 
     acc0 = warpgroup_mma_init(gl.zeros([128, CH], gl.float32, MMA))
     acc1, acc2, acc3 = acc0, acc0, acc0  # chunks past NCH stay unused
-    sc = _scales(s_ptr, s_off, 0, n_iter, DL)
+    sc = _scales(s_ptr, s_off, 0, q_end, DL)
     for i in range(0, n_iter - 1, 2):
         acc0, acc1, acc2, acc3, sc = _stage(
             i, acc0, acc1, acc2, acc3, sc, valid, x_desc, w_desc, x_smem, w_smem, bars, s_ptr,
-            s_off, row0, wrow0, n_iter, NW, DL, A_L, S, CH, NCH,
+            s_off, row0, wrow0, q0, q_end, n_iter, NW, DL, A_L, S, CH, NCH, DECODE,
         )  # fmt: skip
         acc0, acc1, acc2, acc3, sc = _stage(
             i + 1, acc0, acc1, acc2, acc3, sc, valid, x_desc, w_desc, x_smem, w_smem, bars,
-            s_ptr, s_off, row0, wrow0, n_iter, NW, DL, A_L, S, CH, NCH,
+            s_ptr, s_off, row0, wrow0, q0, q_end, n_iter, NW, DL, A_L, S, CH, NCH, DECODE,
         )  # fmt: skip
     if ODD:
         acc0, acc1, acc2, acc3, sc = _stage(
             n_iter - 1, acc0, acc1, acc2, acc3, sc, valid, x_desc, w_desc, x_smem, w_smem,
-            bars, s_ptr, s_off, row0, wrow0, n_iter, NW, DL, A_L, S, CH, NCH,
+            bars, s_ptr, s_off, row0, wrow0, q0, q_end, n_iter, NW, DL, A_L, S, CH, NCH, DECODE,
         )  # fmt: skip
     acc0, acc1, acc2, acc3 = warpgroup_mma_wait(0, deps=(acc0, acc1, acc2, acc3))
     for b in gl.static_range(S):
         mbarrier.invalidate(bars.index(b))
 
-    _store_chunk(
-        acc0, 0, row0, row_end, n0, N, expert, bias_ptr, out_ptr, stride_be, stride_om, CH, NW,
-        HAS_BIAS,
-    )  # fmt: skip
-    if NCH > 1:  # noqa: SIM102
-        if valid > CH:
-            _store_chunk(
-                acc1, 1, row0, row_end, n0, N, expert, bias_ptr, out_ptr, stride_be, stride_om,
-                CH, NW, HAS_BIAS,
+    bias_ptr = bias_ptr + expert.to(gl.int64) * stride_be
+    if SPLIT > 1:
+        _store_tile(
+            acc0, acc1, acc2, acc3, valid, row0, row_end, n0, N, N_PAD, bias_ptr, out_ptr,
+            ws_ptr, stride_om, CH, NCH, NW, SPLIT, HAS_BIAS, False,
+        )  # fmt: skip
+        gl.thread_barrier()
+        cnt = cnt_ptr + blk * gl.num_programs(0) + pid_n
+        ticket = gl.atomic_add(cnt, 1, sem="acq_rel")
+        if ticket == SPLIT - 1:
+            gl.atomic_xchg(cnt, 0, sem="relaxed")
+            _store_tile(
+                acc0, acc1, acc2, acc3, valid, row0, row_end, n0, N, N_PAD, bias_ptr, out_ptr,
+                ws_ptr, stride_om, CH, NCH, NW, SPLIT, HAS_BIAS, True,
             )  # fmt: skip
-    if NCH > 2:
-        if valid > 2 * CH:
-            _store_chunk(
-                acc2, 2, row0, row_end, n0, N, expert, bias_ptr, out_ptr, stride_be, stride_om,
-                CH, NW, HAS_BIAS,
-            )  # fmt: skip
-        if valid > 3 * CH:
-            _store_chunk(
-                acc3, 3, row0, row_end, n0, N, expert, bias_ptr, out_ptr, stride_be, stride_om,
-                CH, NW, HAS_BIAS,
-            )  # fmt: skip
+    else:
+        _store_tile(
+            acc0, acc1, acc2, acc3, valid, row0, row_end, n0, N, N_PAD, bias_ptr, out_ptr,
+            ws_ptr, stride_om, CH, NCH, NW, SPLIT, HAS_BIAS, True,
+        )  # fmt: skip
 
 
 def options(config: dict) -> dict:
@@ -357,40 +414,112 @@ def grouped_gemm(
     """out [plan.num_rows, N] bf16: row r of expert e is ``x[r] @ W[e].T + bias[e]``, for x
     [R, K] bf16 in `input_order` (rows sorted as the plan's) and `weights` a
     `grouped.Mxfp4Weights` of experts [E, N, K]; BT = ``plan.block_m`` tokens per CTA."""
-    num_experts, n, k = weights.shape
-    bt = plan.block_m
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"MXFP4 wgmma: activations must be bf16, got {x.dtype}")
+    num_experts, n, _ = weights.shape
+    return _launch(
+        x, weights.qweight, weights.scales, n, plan.block_m, stages, chunk, E2M1_DECODE,
+        bias, plan, num_experts, weights,
+    )  # fmt: skip
+
+
+def dense_gemm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    n: int,
+    decode: str,
+    *,
+    bias: torch.Tensor | None = None,
+    block_tokens: int = 128,
+    stages: int = DEFAULT_STAGES,
+    chunk: int | None = None,
+    owner: object | None = None,
+) -> torch.Tensor:
+    """out [R, n] = ``x @ W.T (+ bias)`` for one weight W [n, K] in the runtime layout
+    (``qweight int32 [N_pad, WPR]``, ``scales uint8 [N_pad, WPR / 4]``), x [R, K] bf16 or
+    fp16 in `input_order`; `decode` the PTX of a word (`E2M1_DECODE` for MXFP4, which needs
+    bf16; `kbit.triton.wgmma.codebook_word_asm`); `owner`: the object holding qweight for the
+    life of the weight, which keeps its TMA descriptor (built once)."""
+    if decode == E2M1_DECODE and x.dtype != torch.bfloat16:
+        raise ValueError(f"MXFP4 wgmma: activations must be bf16, got {x.dtype}")
+    return _launch(
+        x, qweight, scales, n, block_tokens, stages, chunk, decode, bias, None, 1, owner
+    )  # fmt: skip
+
+
+#: the weights' shared-memory layout (the words of a quad land as they are: no swizzle)
+_W_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+
+
+@functools.cache
+def _x_layout(bt: int, dtype: torch.dtype):
+    return gl.NVMMASharedLayout.get_default_for(
+        [bt, 64], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    )
+
+
+def _weight_desc(qweight: torch.Tensor, num_experts: int, owner: object | None):
+    """qweight's TMA descriptor ``[E * N_pad, WPR]``, kept on `owner` (host time: building
+    descriptors and layouts took tens of microseconds a call, which eager prefill pays)."""
+    cache = getattr(owner, "__dict__", {})
+    key = ("_wgmma_w_desc", qweight.data_ptr(), tuple(qweight.shape))
+    desc = cache.get("_wgmma_w_desc")
+    if desc is None or desc[0] != key:
+        n_pad, wpr = qweight.shape[-2:]
+        flat = qweight.view(num_experts * n_pad, wpr)
+        desc = cache["_wgmma_w_desc"] = (
+            key,
+            TensorDescriptor.from_tensor(flat, [128, 16], _W_LAYOUT),
+        )
+    return desc[1]
+
+
+def _launch(
+    x, qweight, scales, n, bt, stages, chunk, decode, bias, plan, num_experts, owner=None
+) -> torch.Tensor:
     if bt not in BLOCK_TOKENS:
-        raise ValueError(f"MXFP4 wgmma: plan.block_m = {bt}; supported: {BLOCK_TOKENS}")
+        raise ValueError(f"4-bit wgmma: {bt} tokens per tile; supported: {BLOCK_TOKENS}")
     chunk = chunk or bt
     if chunk < 32 or bt % chunk or bt // chunk > 4:
         raise ValueError(
-            f"MXFP4 wgmma: chunk = {chunk} for {bt}-token tiles; supported: {bt}, {bt // 2} or "
+            f"4-bit wgmma: chunk = {chunk} for {bt}-token tiles; supported: {bt}, {bt // 2} or "
             f"{bt // 4}, at least 32"
         )
-    if x.dtype != torch.bfloat16 or x.shape != (plan.num_rows, k) or not x.is_contiguous():
-        raise ValueError(
-            f"MXFP4 wgmma: x must be contiguous bf16 [{plan.num_rows}, {k}], got {x.dtype} "
-            f"{tuple(x.shape)}"
-        )
-    qweight, scales = weights.qweight, weights.scales
+    rows = x.shape[0] if plan is None else plan.num_rows
     n_pad, wpr = qweight.shape[-2:]
-    out = torch.empty(plan.num_rows, n, dtype=x.dtype, device=x.device)
-    if plan.num_rows == 0:
+    k = x.shape[-1]
+    if (
+        x.dtype not in (torch.bfloat16, torch.float16)
+        or x.shape != (rows, k)
+        or k > 8 * wpr
+        or not x.is_contiguous()
+    ):
+        raise ValueError(
+            f"4-bit wgmma: x must be contiguous bf16 or fp16 [{rows}, K <= {8 * wpr}], got "
+            f"{x.dtype} {tuple(x.shape)}"
+        )
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows == 0:
         return out
-    x_desc = TensorDescriptor.from_tensor(
-        x, [bt, 64], gl.NVMMASharedLayout.get_default_for([bt, 64], gl.bfloat16)
+    x_desc = TensorDescriptor.from_tensor(x, [bt, 64], _x_layout(bt, x.dtype))
+    w_desc = _weight_desc(qweight, num_experts, owner)
+    n_quads = wpr // 16
+    blocks = triton.cdiv(rows, bt) if plan is None else plan.num_blocks
+    n_tiles = triton.cdiv(n, BLOCK_N)
+    split, n_iter = 1, n_quads
+    if plan is None:  # a dense launch of too few tiles splits K (one CTA per SM fits)
+        split, n_iter = splitk.split_plan(n_quads, n_tiles * blocks, splitk.num_sms(x.device), 1)
+    ws, cnt = splitk.workspace(
+        x.device, rows * n_pad if split > 1 else 1, n_tiles * blocks if split > 1 else 1
     )
-    w_desc = TensorDescriptor.from_tensor(
-        qweight.view(num_experts * n_pad, wpr),
-        [128, 16],
-        gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2),
-    )
-    n_iter = wpr // 16
-    grid = (triton.cdiv(n, BLOCK_N), plan.num_blocks)
-    mxfp4_wgmma_kernel[grid](
-        x_desc, w_desc, scales.view(torch.int32), bias if bias is not None else out, out,
-        plan.block_expert, plan.block_row, plan.m_indptr, n, n_pad, n_iter, num_experts,
-        bias.stride(0) if bias is not None else 0, out.stride(0),
-        BT=bt, CH=chunk, S=stages, ODD=n_iter % 2 == 1, HAS_BIAS=bias is not None, num_warps=NUM_WARPS,
+    # (a dense launch passes `out` for the plan's pointers: never read)
+    ptrs = (out, out, out) if plan is None else (plan.block_expert, plan.block_row, plan.m_indptr)
+    mxfp4_wgmma_kernel[(n_tiles, blocks, split)](
+        x_desc, w_desc, scales.view(torch.int32), bias if bias is not None else out, out, ws,
+        cnt, *ptrs, rows, n, n_pad, n_quads, n_iter, num_experts,
+        bias.stride(0) if bias is not None and plan is not None else 0, out.stride(0),
+        BT=bt, CH=chunk, S=stages, ODD=n_iter % 2 == 1, HAS_BIAS=bias is not None,
+        DECODE=decode, DENSE=plan is None, SPLIT=split, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out

@@ -1,0 +1,228 @@
+"""kbit K = 4 through the Hopper wgmma kernel (`kbit.triton.wgmma`): the codebook decode's
+algorithm on the CPU, an ahead-of-time sm_90 compile (no GPU), the config choice, and the
+kernel against the float64 reference on a GPU (marked ``gpu``)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+
+import pytest
+import torch
+
+from quantfw.kernels import kbit
+from quantfw.kernels.kbit import configs as C
+from quantfw.kernels.kbit import format as kfmt
+
+triton = pytest.importorskip("triton")
+
+from quantfw.kernels.kbit.triton import wgmma as KW  # noqa: E402
+
+
+def _codebooks():
+    g = torch.Generator().manual_seed(3)
+    user = torch.sort(torch.randn(16, generator=g) * 3).values
+    user[7] = 0.0  # a zero level: +0 times any scale
+    return [kfmt.normal_float_codebook(4), user]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_codebook_decode_on_cpu(dtype):
+    """`codebook_words` (the PTX's prmt / lop3 algorithm in torch) gives, for random words and
+    every E4M4 byte (zero and subnormal scales included), ``16 * level`` in the dtype times
+    ``absmax / 16``, rounded once, in the word's element order."""
+    g = torch.Generator().manual_seed(int(dtype == torch.bfloat16))
+    for cb in _codebooks():
+        idx = torch.randint(0, 16, (4096, 8), generator=g)
+        idx[:16] = torch.arange(16)[:, None]  # every level
+        words = sum(idx[:, t] << (4 * t) for t in range(8))
+        scale = torch.arange(4096) % 256
+        got = KW.codebook_words(words, scale, cb, dtype)
+        absmax = kfmt.decode_e4m4(scale.to(torch.uint8)).double()
+        want = ((16 * cb.float()).to(dtype).double()[idx] * (absmax / 16)[:, None]).to(dtype)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+        # two roundings from the exact value where the result is a normal number
+        exact = cb.double()[idx] * absmax[:, None]
+        normal = want.double().abs() >= torch.finfo(dtype).smallest_normal
+        assert (want.double() / exact - 1)[normal].abs().max() <= 2 * torch.finfo(dtype).eps
+
+
+def test_codebook_decode_rejects_what_it_cannot_decode():
+    with pytest.raises(ValueError, match="a codebook of 16 levels"):
+        KW.table_words(kfmt.normal_float_codebook(2), torch.float16)
+    with pytest.raises(ValueError, match="fp16 or bf16, got torch.float32"):
+        KW.codebook_word_asm((0,) * 8, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_wgmma_kernel_with_the_codebook_compiles_for_sm90_without_a_gpu(dtype, tmp_path):
+    """The dense launch with the codebook decode through Triton's bundled ptxas: per word two
+    mask, eight lookup and four pairing ``prmt`` plus the scale's, four ``lop3``, four packed
+    FMAs; the levels are immediates (no memory read for a lookup); no spills."""
+    from aot import compile_for_sm90
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from quantfw.kernels.mxfp4.triton import wgmma
+
+    def desc_type(t, block, layout):
+        d = TensorDescriptor.from_tensor(t, block, layout)
+        return native_specialize_impl(BaseBackend, d, False, True, True)[0]
+
+    gdt, name = (gl.float16, "fp16") if dtype == torch.float16 else (gl.bfloat16, "bf16")
+    bt, chunk = 128, 64
+    x = torch.zeros(256, 4096, dtype=dtype)
+    q = torch.zeros(128, 512, dtype=torch.int32)
+    w_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    x_layout = gl.NVMMASharedLayout.get_default_for([bt, 64], gdt)
+    sig = {"x_desc": desc_type(x, [bt, 64], x_layout), "w_desc": desc_type(q, [128, 16], w_layout),
+           "s_ptr": "*i32", "bias_ptr": f"*{name}", "out_ptr": f"*{name}", "ws_ptr": "*fp32",
+           "cnt_ptr": "*i32", "block_expert_ptr": f"*{name}", "block_row_ptr": f"*{name}",
+           "m_indptr_ptr": f"*{name}", "num_rows": "i32", "N": "i32", "N_PAD": "i32",
+           "n_quads": "i32", "n_iter": "i32", "num_experts": "i32", "stride_be": "i32",
+           "stride_om": "i32"}  # fmt: skip
+    table = KW.table_words(_codebooks()[1], dtype)
+    decode = KW.codebook_word_asm(table, dtype)
+    consts = {"BT": bt, "CH": chunk, "S": 3, "ODD": False, "HAS_BIAS": True, "DECODE": decode,
+              "DENSE": True, "SPLIT": 4}  # fmt: skip
+    kernel = compile_for_sm90(wgmma.mxfp4_wgmma_kernel, sig, consts, num_warps=8)
+    ptx = kernel.asm["ptx"]
+    words = 2 * 8  # the loop's two stages, 8 words a thread each
+    assert ptx.count("prmt.b32") == words * 15
+    assert ptx.count("lop3.b32") == words * 4
+    assert ptx.count(f"fma.rn.{'f16' if dtype == torch.float16 else 'bf16'}x2") == words * 4
+    assert ptx.count("wgmma.mma_async") == 8 * 2 * 2  # 8 per stage and chunk, 2 chunks, 2 stages
+    assert "ld.local" not in ptx and "shfl" not in ptx
+    assert all(f"{t:#x}," in ptx for t in table)
+    cubin = tmp_path / "kernel.cubin"
+    cubin.write_bytes(kernel.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    usage = subprocess.run([tool, "--dump-resource-usage", str(cubin)], capture_output=True,
+                           text=True, check=True).stdout  # fmt: skip
+    assert re.search(r"REG:\d+ STACK:0 ", usage) and "LOCAL:0 " in usage, usage
+
+
+def test_launch_mode_marks_calls_for_cuda_graphs():
+    from quantfw.kernels.common.launch_mode import graph_launches, graph_launches_active
+
+    assert not graph_launches_active()
+    with graph_launches():
+        with graph_launches():
+            assert graph_launches_active()
+        assert graph_launches_active()
+    assert not graph_launches_active()
+
+
+def test_default_configs_where_the_wgmma_kernel_may_run():
+    """Where it may run (sm_90, calls for CUDA graphs) at K = 4: the mma kernel to 16
+    tokens, then the wgmma kernel: 64-token tiles to
+    64, 128 to 128, then 256-token tiles for large weights (to 256) and wide ones (to 1024),
+    else dequantize + cuBLAS; other K and other GPUs keep their paths; the candidates add the
+    wgmma kernel's from 16 tokens, K = 4 on sm_90 only."""
+    Ms = (1, 16, 17, 64, 65, 128, 129, 256, 257, 1024, 1025)
+    gate_up, down, o = (24576, 4096), (4096, 12288), (4096, 4096)
+    tiles = {shape: [C.default_config(M, *shape, 4, wgmma=True)[:2] for M in Ms]
+             for shape in (gate_up, down, o)}  # fmt: skip
+    first = [("mma", 4)] * 2 + [("wgmma", 64)] * 2 + [("wgmma", 128)] * 2
+    assert tiles[gate_up] == first + [("wgmma", 256)] * 4 + [("deq", 128)]
+    assert tiles[down] == first + [("wgmma", 256)] * 2 + [("deq", 128)] * 3
+    assert tiles[o] == first + [("deq", 128)] * 5
+    for bits in (2, 3, 5):
+        assert C.default_config(64, *gate_up, bits, wgmma=True) == C.default_config(64, *gate_up, bits)  # fmt: skip
+    assert C.default_config(64, *gate_up, 4)[0] == "fused"
+    for M in (16, 64, 1024):
+        cands = C.candidate_configs(M, 4, wgmma=True)
+        assert cands[0] == C.default_config(M, 0, 0, 4, wgmma=True) and len(set(cands)) == len(cands)  # fmt: skip
+        assert sum(c[0] == "wgmma" for c in cands) == 4
+        assert all(C.check_config(c) == c for c in cands)
+        assert not any(c[0] == "wgmma" for c in C.candidate_configs(M, 4))
+        assert not any(c[0] == "wgmma" for c in C.candidate_configs(M, 2, wgmma=True))
+    with pytest.raises(ValueError, match="block_tokens=32, chunk=32: tiles of 64, 128 or 256"):
+        C.check_config(("wgmma", 32, 3, 32))
+    with pytest.raises(ValueError, match="block_tokens=256, chunk=32"):
+        C.check_config(("wgmma", 256, 3, 32))
+    with pytest.raises(ValueError, match="stages=7 must be 2..6"):
+        C.check_config(("wgmma", 128, 7, 64))
+
+
+# GPU
+
+TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+def _hopper():
+    from quantfw.kernels.common import is_sm90
+
+    if not torch.cuda.is_available() or not is_sm90(torch.device("cuda")):
+        pytest.skip("the wgmma kernel needs an sm_90 GPU")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("N,K", [(200, 352), (640, 4096)])
+def test_gpu_wgmma_matches_reference(dtype, N, K):
+    """Every wgmma candidate config and the default at M = 17, 64, 100, 300, 1030 against the
+    float64 product of the dequantized weight: N past the last 128-column tile, K with a padded
+    quad, split-K (few column tiles) and none, a user codebook, bias or none; outputs
+    NaN-filled first (every element written); the split-K workspace left clean."""
+    _hopper()
+    from quantfw.kernels.common import splitk
+    from quantfw.kernels.common.launch_mode import graph_launches
+    from quantfw.kernels.kbit.triton.dispatch import kbit_matmul_cuda
+
+    gen = torch.Generator().manual_seed(N + K)
+    for cb in _codebooks():
+        w_dense = torch.randn(N, K, generator=gen) * 0.05
+        planes, absmax = kfmt.quantize(w_dense, 4, cb)
+        ref = kfmt.dequantize(planes, absmax, cb).double().cuda()
+        w = kbit.repack_weight(planes.cuda(), absmax.cuda(), cb.cuda())
+        for M in (17, 64, 100, 300, 1030):
+            x = torch.randn(M, K, generator=gen).to(dtype).cuda()
+            bias = torch.randn(N, generator=gen).to(dtype).cuda() if M % 2 else None
+            want = x.double() @ ref.t() + (bias.double() if bias is not None else 0)
+            configs = {c for c in C.candidate_configs(M, 4, wgmma=True) if c[0] == "wgmma"}
+            for cfg in sorted(configs | {None}, key=repr):
+                out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
+                with graph_launches():  # (None: the default of a call for CUDA graphs)
+                    out.copy_(kbit_matmul_cuda(x, w, bias, config=cfg))
+                err = ((out.double() - want).norm() / want.norm()).item()
+                assert err < TOL[dtype], f"N={N} K={K} M={M} {dtype} {cfg}: {err:.2e}"
+                ws, cnt = splitk.WORKSPACE.get(torch.cuda.current_device(), (None, None))
+                assert ws is None or (not ws.any() and not cnt.any()), f"dirty after {cfg}"
+
+
+@pytest.mark.gpu
+def test_gpu_wgmma_default_inside_a_cuda_graph():
+    """A call made for CUDA graphs (`graph_launches`: warm-up, then capture) takes the wgmma
+    kernel at 32 tokens and replays it correctly on new inputs (the k-order copy and the
+    split-K workspace inside the graph); the same call made eagerly takes another kernel."""
+    _hopper()
+    from quantfw.kernels.common.launch_mode import graph_launches
+    from quantfw.kernels.kbit.triton import dispatch
+
+    gen = torch.Generator().manual_seed(7)
+    N, K = 640, 4096  # 5 column tiles: split along K
+    planes, absmax = kfmt.quantize(torch.randn(N, K, generator=gen) * 0.05, 4)
+    cb = kfmt.normal_float_codebook(4)
+    ref = kfmt.dequantize(planes, absmax, cb).double().cuda()
+    w = kbit.repack_weight(planes.cuda(), absmax.cuda(), cb.cuda())
+    x = torch.randn(32, K, generator=gen).half().cuda()
+    with graph_launches():
+        dispatch.kbit_matmul_cuda(x, w)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = dispatch.kbit_matmul_cuda(x, w)
+    key = dispatch._key(x, w)[:-1]
+    assert dispatch._CONFIG_CACHE[(*key, True)][0] == "wgmma"
+    dispatch.kbit_matmul_cuda(x, w)
+    assert dispatch._CONFIG_CACHE[(*key, False)][0] != "wgmma"
+    for _ in range(3):
+        x.copy_(torch.randn(32, K, generator=gen).half())
+        out.fill_(float("nan"))
+        graph.replay()
+        want = x.double() @ ref.t()
+        assert ((out.double() - want).norm() / want.norm()).item() < TOL[torch.float16]

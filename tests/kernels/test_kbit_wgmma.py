@@ -20,23 +20,27 @@ triton = pytest.importorskip("triton")
 from quantfw.kernels.kbit.triton import wgmma as KW  # noqa: E402
 
 
-def _codebooks():
+def _codebooks(bits: int = 4):
     g = torch.Generator().manual_seed(3)
-    user = torch.sort(torch.randn(16, generator=g) * 3).values
-    user[7] = 0.0  # a zero level: +0 times any scale
-    return [kfmt.normal_float_codebook(4), user]
+    user = torch.sort(torch.randn(2**bits, generator=g) * 3).values
+    user[2**bits // 2 - 1] = 0.0  # a zero level: +0 times any scale
+    return [kfmt.normal_float_codebook(bits), user]
 
 
+@pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_codebook_decode_on_cpu(dtype):
-    """`codebook_words` (the PTX's prmt / lop3 algorithm in torch) gives, for random words and
-    every E4M4 byte (zero and subnormal scales included), ``16 * level`` in the dtype times
-    ``absmax / 16``, rounded once, in the word's element order."""
-    g = torch.Generator().manual_seed(int(dtype == torch.bfloat16))
-    for cb in _codebooks():
-        idx = torch.randint(0, 16, (4096, 8), generator=g)
-        idx[:16] = torch.arange(16)[:, None]  # every level
-        words = sum(idx[:, t] << (4 * t) for t in range(8))
+def test_codebook_decode_on_cpu(bits, dtype):
+    """`codebook_words` (the PTX's prmt / lop3 algorithm in torch) gives, for random fields
+    (K = 2: the low 16 bits, the high ones random) and every E4M4 byte (zero and subnormal
+    scales included), ``16 * level`` in the dtype times ``absmax / 16``, rounded once, in the
+    fields' order."""
+    g = torch.Generator().manual_seed(bits + int(dtype == torch.bfloat16))
+    for cb in _codebooks(bits):
+        idx = torch.randint(0, 2**bits, (4096, 8), generator=g)
+        idx[: 2**bits] = torch.arange(2**bits)[:, None]  # every level
+        words = sum(idx[:, t] << (bits * t) for t in range(8))
+        if bits == 2:  # the other lane's half of the word
+            words |= torch.randint(0, 2**16, (4096,), generator=g) << 16
         scale = torch.arange(4096) % 256
         got = KW.codebook_words(words, scale, cb, dtype)
         absmax = kfmt.decode_e4m4(scale.to(torch.uint8)).double()
@@ -49,17 +53,22 @@ def test_codebook_decode_on_cpu(dtype):
 
 
 def test_codebook_decode_rejects_what_it_cannot_decode():
-    with pytest.raises(ValueError, match="a codebook of 16 levels"):
-        KW.table_words(kfmt.normal_float_codebook(2), torch.float16)
+    with pytest.raises(ValueError, match="a codebook of 4 or 16 levels"):
+        KW.table_words(kfmt.normal_float_codebook(3), torch.float16)
+    with pytest.raises(ValueError, match="a table of 2 or 8 registers"):
+        KW.codebook_word_asm((0,) * 4, torch.float16)
     with pytest.raises(ValueError, match="fp16 or bf16, got torch.float32"):
         KW.codebook_word_asm((0,) * 8, torch.float32)
 
 
+@pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_wgmma_kernel_with_the_codebook_compiles_for_sm90_without_a_gpu(dtype, tmp_path):
-    """The dense launch with the codebook decode through Triton's bundled ptxas: per word two
-    mask, eight lookup and four pairing ``prmt`` plus the scale's, four ``lop3``, four packed
-    FMAs; the levels are immediates (no memory read for a lookup); no spills."""
+def test_wgmma_kernel_with_the_codebook_compiles_for_sm90_without_a_gpu(bits, dtype, tmp_path):
+    """The dense launch with the codebook decode through Triton's bundled ptxas: per word of 8
+    fields, K = 4: two mask, eight lookup and four pairing ``prmt`` plus the scale's and four
+    ``lop3``; K = 2: four lookup and four pairing ``prmt`` plus the scale's; four packed FMAs;
+    the levels are immediates (no memory read for a lookup); the decoded A never staged
+    through shared memory (every shared store after the last wgmma); no spills."""
     from aot import compile_for_sm90
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
@@ -75,27 +84,29 @@ def test_wgmma_kernel_with_the_codebook_compiles_for_sm90_without_a_gpu(dtype, t
     gdt, name = (gl.float16, "fp16") if dtype == torch.float16 else (gl.bfloat16, "bf16")
     bt, chunk = 128, 64
     x = torch.zeros(256, 4096, dtype=dtype)
-    q = torch.zeros(128, 512, dtype=torch.int32)
+    wpq = 4 * bits  # words per row and quad
+    q = torch.zeros(128, 128 * bits, dtype=torch.int32)
     w_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     x_layout = gl.NVMMASharedLayout.get_default_for([bt, 64], gdt)
-    sig = {"x_desc": desc_type(x, [bt, 64], x_layout), "w_desc": desc_type(q, [128, 16], w_layout),
+    sig = {"x_desc": desc_type(x, [bt, 64], x_layout), "w_desc": desc_type(q, [128, wpq], w_layout),
            "s_ptr": "*i32", "bias_ptr": f"*{name}", "out_ptr": f"*{name}", "ws_ptr": "*fp32",
            "cnt_ptr": "*i32", "block_expert_ptr": f"*{name}", "block_row_ptr": f"*{name}",
            "m_indptr_ptr": f"*{name}", "num_rows": "i32", "N": "i32", "N_PAD": "i32",
            "n_quads": "i32", "n_iter": "i32", "num_experts": "i32", "stride_be": "i32",
            "stride_om": "i32"}  # fmt: skip
-    table = KW.table_words(_codebooks()[1], dtype)
+    table = KW.table_words(_codebooks(bits)[1], dtype)
     decode = KW.codebook_word_asm(table, dtype)
     consts = {"BT": bt, "CH": chunk, "S": 3, "ODD": False, "HAS_BIAS": True, "DECODE": decode,
-              "DENSE": True, "SPLIT": 4}  # fmt: skip
+              "DENSE": True, "WPQ": wpq, "SPLIT": 4}  # fmt: skip
     kernel = compile_for_sm90(wgmma.mxfp4_wgmma_kernel, sig, consts, num_warps=8)
     ptx = kernel.asm["ptx"]
     words = 2 * 8  # the loop's two stages, 8 words a thread each
-    assert ptx.count("prmt.b32") == words * 15
-    assert ptx.count("lop3.b32") == words * 4
+    assert ptx.count("prmt.b32") == words * (15 if bits == 4 else 9)
+    assert ptx.count("lop3.b32") == words * (4 if bits == 4 else 0)
     assert ptx.count(f"fma.rn.{'f16' if dtype == torch.float16 else 'bf16'}x2") == words * 4
     assert ptx.count("wgmma.mma_async") == 8 * 2 * 2  # 8 per stage and chunk, 2 chunks, 2 stages
     assert "ld.local" not in ptx and "shfl" not in ptx
+    assert ptx.rindex("wgmma.mma_async") < ptx.index("st.shared")
     assert all(f"{t:#x}," in ptx for t in table)
     cubin = tmp_path / "kernel.cubin"
     cubin.write_bytes(kernel.asm["cubin"])
@@ -116,30 +127,30 @@ def test_launch_mode_marks_calls_for_cuda_graphs():
     assert not graph_launches_active()
 
 
-def test_default_configs_where_the_wgmma_kernel_may_run():
-    """Where it may run (sm_90, calls for CUDA graphs) at K = 4: the mma kernel to 16
-    tokens, then the wgmma kernel: 64-token tiles to
-    64, 128 to 128, then 256-token tiles for large weights (to 256) and wide ones (to 1024),
-    else dequantize + cuBLAS; other K and other GPUs keep their paths; the candidates add the
-    wgmma kernel's from 16 tokens, K = 4 on sm_90 only."""
+@pytest.mark.parametrize("bits", [2, 4])
+def test_default_configs_where_the_wgmma_kernel_may_run(bits):
+    """Where it may run (sm_90, calls for CUDA graphs) at K = 2, 4: the mma kernel to 16
+    tokens, then the wgmma kernel: 64-token tiles to 64, 128 to 128, then 256-token tiles for
+    large weights (to 256) and wide ones (to 1024), else dequantize + cuBLAS; K = 3, 5 and
+    other GPUs keep their paths; the candidates add the wgmma kernel's from 16 tokens."""
     Ms = (1, 16, 17, 64, 65, 128, 129, 256, 257, 1024, 1025)
     gate_up, down, o = (24576, 4096), (4096, 12288), (4096, 4096)
-    tiles = {shape: [C.default_config(M, *shape, 4, wgmma=True)[:2] for M in Ms]
+    tiles = {shape: [C.default_config(M, *shape, bits, wgmma=True)[:2] for M in Ms]
              for shape in (gate_up, down, o)}  # fmt: skip
     first = [("mma", 4)] * 2 + [("wgmma", 64)] * 2 + [("wgmma", 128)] * 2
     assert tiles[gate_up] == first + [("wgmma", 256)] * 4 + [("deq", 128)]
     assert tiles[down] == first + [("wgmma", 256)] * 2 + [("deq", 128)] * 3
     assert tiles[o] == first + [("deq", 128)] * 5
-    for bits in (2, 3, 5):
-        assert C.default_config(64, *gate_up, bits, wgmma=True) == C.default_config(64, *gate_up, bits)  # fmt: skip
-    assert C.default_config(64, *gate_up, 4)[0] == "fused"
+    for other in (3, 5):
+        assert C.default_config(64, *gate_up, other, wgmma=True) == C.default_config(64, *gate_up, other)  # fmt: skip
+        assert not any(c[0] == "wgmma" for c in C.candidate_configs(64, other, wgmma=True))
+    assert C.default_config(64, *gate_up, bits)[0] == "fused"
     for M in (16, 64, 1024):
-        cands = C.candidate_configs(M, 4, wgmma=True)
-        assert cands[0] == C.default_config(M, 0, 0, 4, wgmma=True) and len(set(cands)) == len(cands)  # fmt: skip
+        cands = C.candidate_configs(M, bits, wgmma=True)
+        assert cands[0] == C.default_config(M, 0, 0, bits, wgmma=True) and len(set(cands)) == len(cands)  # fmt: skip
         assert sum(c[0] == "wgmma" for c in cands) == 4
         assert all(C.check_config(c) == c for c in cands)
-        assert not any(c[0] == "wgmma" for c in C.candidate_configs(M, 4))
-        assert not any(c[0] == "wgmma" for c in C.candidate_configs(M, 2, wgmma=True))
+        assert not any(c[0] == "wgmma" for c in C.candidate_configs(M, bits))
     with pytest.raises(ValueError, match="block_tokens=32, chunk=32: tiles of 64, 128 or 256"):
         C.check_config(("wgmma", 32, 3, 32))
     with pytest.raises(ValueError, match="block_tokens=256, chunk=32"):
@@ -161,9 +172,10 @@ def _hopper():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("N,K", [(200, 352), (640, 4096)])
-def test_gpu_wgmma_matches_reference(dtype, N, K):
+def test_gpu_wgmma_matches_reference(bits, dtype, N, K):
     """Every wgmma candidate config and the default at M = 17, 64, 100, 300, 1030 against the
     float64 product of the dequantized weight: N past the last 128-column tile, K with a padded
     quad, split-K (few column tiles) and none, a user codebook, bias or none; outputs
@@ -173,23 +185,23 @@ def test_gpu_wgmma_matches_reference(dtype, N, K):
     from quantfw.kernels.common.launch_mode import graph_launches
     from quantfw.kernels.kbit.triton.dispatch import kbit_matmul_cuda
 
-    gen = torch.Generator().manual_seed(N + K)
-    for cb in _codebooks():
+    gen = torch.Generator().manual_seed(N + K + bits)
+    for cb in _codebooks(bits):
         w_dense = torch.randn(N, K, generator=gen) * 0.05
-        planes, absmax = kfmt.quantize(w_dense, 4, cb)
+        planes, absmax = kfmt.quantize(w_dense, bits, cb)
         ref = kfmt.dequantize(planes, absmax, cb).double().cuda()
         w = kbit.repack_weight(planes.cuda(), absmax.cuda(), cb.cuda())
         for M in (17, 64, 100, 300, 1030):
             x = torch.randn(M, K, generator=gen).to(dtype).cuda()
             bias = torch.randn(N, generator=gen).to(dtype).cuda() if M % 2 else None
             want = x.double() @ ref.t() + (bias.double() if bias is not None else 0)
-            configs = {c for c in C.candidate_configs(M, 4, wgmma=True) if c[0] == "wgmma"}
+            configs = {c for c in C.candidate_configs(M, bits, wgmma=True) if c[0] == "wgmma"}
             for cfg in sorted(configs | {None}, key=repr):
                 out = torch.full((M, N), float("nan"), device="cuda", dtype=dtype)
                 with graph_launches():  # (None: the default of a call for CUDA graphs)
                     out.copy_(kbit_matmul_cuda(x, w, bias, config=cfg))
                 err = ((out.double() - want).norm() / want.norm()).item()
-                assert err < TOL[dtype], f"N={N} K={K} M={M} {dtype} {cfg}: {err:.2e}"
+                assert err < TOL[dtype], f"bits={bits} N={N} K={K} M={M} {dtype} {cfg}: {err:.2e}"
                 ws, cnt = splitk.WORKSPACE.get(torch.cuda.current_device(), (None, None))
                 assert ws is None or (not ws.any() and not cnt.any()), f"dirty after {cfg}"
 

@@ -121,7 +121,7 @@ def test_wgmma_kernel_compiles_for_sm90_without_a_gpu():
                "n_quads": "i32", "n_iter": "i32", "num_experts": "i32", "stride_be": "i32",
                "stride_om": "i32"}  # fmt: skip
         consts = {"BT": bt, "CH": chunk, "S": stages, "ODD": odd, "HAS_BIAS": True,
-                  "DECODE": wgmma.E2M1_DECODE, "DENSE": False, "SPLIT": 1}  # fmt: skip
+                  "DECODE": wgmma.E2M1_DECODE, "DENSE": False, "WPQ": 16, "SPLIT": 1}  # fmt: skip
         kernel = compile_for_sm90(wgmma.mxfp4_wgmma_kernel, sig, consts, num_warps=8)
         assert kernel.metadata.shared <= 227 * 1024
         ptx = kernel.asm["ptx"]

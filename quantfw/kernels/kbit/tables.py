@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from quantfw.kernels.common.tables import ConfigTables
-from quantfw.kernels.kbit.configs import check_config, default_config
+from quantfw.kernels.kbit.configs import WGMMA_BITS, check_config, default_config, wgmma_tile
 
 ENV_DIR = "QUANTFW_KBIT_CONFIG_DIR"
 PACKAGE_DIR = Path(__file__).parent / "tuned"
@@ -22,10 +22,15 @@ TABLES = ConfigTables("kbit", "kbit", ENV_DIR, PACKAGE_DIR, ("N", "K", "bits"), 
 def untuned_config(
     device_name: str, M: int, N: int, K: int, bits: int, wgmma: bool = False
 ) -> tuple:
-    """The config of a call that no ``tune()`` covered: the table entry for this GPU model,
-    shape and M bucket, else the heuristic ``default_config``; `wgmma`: the wgmma kernel may
-    run (sm_90, launches for CUDA graphs), else its entries give way to the default."""
+    """The config of a call that no ``tune()`` covered. Where the wgmma kernel may run
+    (`wgmma`: sm_90, a call made for CUDA graphs) its tile by `configs.wgmma_tile`, if any;
+    else the table entry for this GPU model, shape and M bucket (a wgmma entry only where the
+    kernel may run), else the heuristic ``default_config``."""
+    if wgmma and bits in WGMMA_BITS:
+        tile = wgmma_tile(M, N, K)
+        if tile is not None:
+            return tile
     tabled = TABLES.find_config(device_name, M, N, K, bits)
     if tabled is not None and (wgmma or tabled[0] != "wgmma"):
         return tabled
-    return default_config(M, N, K, bits, wgmma)
+    return default_config(M, N, K, bits)

@@ -2,9 +2,11 @@
 prefill and batches: the weights decoded in registers as the A operand of ``wgmma``, the rows
 of activations streamed by TMA; no dequantized copy of the weights is written. The weights are
 MXFP4 (E2M1 codes, UE8M0 block scales: `mxfp4.layout`) or kbit K = 4 (codebook indices, E4M4
-block scales: `kbit.layout`, byte for byte the same runtime layout); a launch's ``DECODE``
-(inline PTX: `dequantize.e2m1_word_bf16_asm`, `kbit.triton.wgmma.codebook_word_asm`) turns one
-word of 8 codes and its scale byte into 8 values.
+block scales: `kbit.layout`, byte for byte the same runtime layout) or K = 2 (the same quads
+with 2 words a block: ``WPQ`` 8 words a row and quad instead of 16; lanes c and c + 1 take the
+halves of word c // 2); a launch's ``DECODE`` (inline PTX: `dequantize.e2m1_word_bf16_asm`,
+`kbit.triton.wgmma.codebook_word_asm`) turns a lane's 8 codes and their scale byte into 8
+values.
 
 ``out[r] = x[r] @ W[e(r)].T (+ bias[e(r)])`` for rows sorted by expert, cut into BT-row blocks
 (`kernels.moe.BlockPlan`), or with ``DENSE`` for the rows of one weight (block b: rows
@@ -157,16 +159,50 @@ def _load_stage(j, x_desc, w_desc, x_smem, w_smem, bars, row0, wrow0, q0, n_iter
     activation tile's two halves (all BT rows: loading only the chunks that hold rows cost
     more in barriers than it saved, benchmarks/mxfp4-lab-log.md §17)."""
     S: gl.constexpr = w_smem.shape[0]
+    WPQ: gl.constexpr = w_smem.shape[2]
     BT: gl.constexpr = x_smem.shape[1]
     sj = j % S
     ok = j < n_iter
     bar = bars.index(sj)
-    mbarrier.expect(bar, 128 * 64 + BT * 128 * 2, pred=ok)
-    tma.async_copy_global_to_shared(w_desc, [wrow0, (q0 + j) * 16], bar, w_smem.index(sj), pred=ok)
+    mbarrier.expect(bar, 128 * WPQ * 4 + BT * 128 * 2, pred=ok)
+    tma.async_copy_global_to_shared(w_desc, [wrow0, (q0 + j) * WPQ], bar, w_smem.index(sj), pred=ok)
     for h in gl.static_range(2):
         tma.async_copy_global_to_shared(
             x_desc, [row0, (q0 + j) * 128 + 64 * h], bar, x_smem.index(2 * sj + h), pred=ok
         )
+
+
+@gluon.jit
+def _words(slot, NW: gl.constexpr, DL: gl.constexpr):
+    """The thread's words of a stage's slot as ``[NW, 2 t, 8 g, 4 c, 4 r]`` (16-byte reads, no
+    swizzle): word c of block r of its rows (16 words a row: 4-bit fields), or, with 8 words a
+    row (kbit K = 2: 2-bit fields, word j of block r at 4 j + r), word c // 2 shifted right by
+    16 (c % 2), so that the lane's 8 fields are its low half (lanes c, c + 1 read one word)."""
+    WPQ: gl.constexpr = slot.shape[1]
+    WL: gl.constexpr = gl.SliceLayout(5, DL)
+    if WPQ == 16:
+        view = slot._reinterpret(
+            gl.int32, [NW, 2, 8, 4, 4], gl.SwizzledSharedLayout(1, 1, 1, order=[4, 3, 2, 1, 0])
+        )
+        words = view.load(WL)
+    else:
+        view = slot._reinterpret(
+            gl.int32, [NW, 2, 8, 2, 1, 4],
+            gl.SwizzledSharedLayout(1, 1, 1, order=[5, 4, 3, 2, 1, 0]),
+        )  # fmt: skip
+        # lanes (j, half): both halves' lanes read word j
+        HL: gl.constexpr = gl.BlockedLayout(
+            [1, 2, 1, 1, 1, 4], [1, 1, 8, 2, 2, 1], [NW, 1, 1, 1, 1, 1], [5, 4, 3, 2, 1, 0]
+        )
+        w = view.load(HL)
+        w = gl.broadcast(w, gl.full([NW, 2, 8, 2, 2, 4], 0, gl.int32, HL))[0]
+        half = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(
+            2, gl.SliceLayout(3, gl.SliceLayout(5, HL))))))  # fmt: skip
+        half = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(
+            gl.expand_dims(half, 0), 1), 2), 3), 5)  # fmt: skip
+        w = w >> (16 * half)
+        words = gl.convert_layout(gl.reshape(w, [NW, 2, 8, 4, 4]), WL)
+    return words
 
 
 @gluon.jit
@@ -189,11 +225,7 @@ def _stage(
     s = i % S
     sc_next = _scales(s_ptr, s_off, i + 1, q_end, DL)
     mbarrier.wait(bars.index(s), (i // S) & 1)
-    # the slot's bytes as [warp, t, g, c, r] for the per-thread 16-byte reads (no swizzle)
-    w_view = w_smem.index(s)._reinterpret(
-        gl.int32, [NW, 2, 8, 4, 4], gl.SwizzledSharedLayout(1, 1, 1, order=[4, 3, 2, 1, 0])
-    )
-    words = w_view.load(gl.SliceLayout(5, DL))
+    words = _words(w_smem.index(s), NW, DL)
     a0, a1 = _decode_quad(words, sc, DL, NW, DECODE, x_desc.dtype)
     a0 = gl.convert_layout(a0, A_L)
     a1 = gl.convert_layout(a1, A_L)
@@ -273,8 +305,8 @@ def _store_tile(
 @gluon.jit
 def mxfp4_wgmma_kernel(
     x_desc,  # TMA descriptor of x [R, K] bf16 / fp16 in `input_order`, block [BT, 64]
-    w_desc,  # TMA descriptor of qweight viewed [E * N_pad, WPR] int32, block [128, 16]
-    s_ptr,  # scales viewed int32 [E * N_pad, WPR / 16] (4 scale bytes per quad)
+    w_desc,  # TMA descriptor of qweight viewed [E * N_pad, WPR] int32, block [128, WPQ]
+    s_ptr,  # scales viewed int32 [E * N_pad, WPR / WPQ] (4 scale bytes per quad)
     bias_ptr,
     out_ptr,  # [R, N], x's dtype
     ws_ptr,  # fp32 split-K workspace [R, N_PAD] (zeros; read with SPLIT > 1)
@@ -285,7 +317,7 @@ def mxfp4_wgmma_kernel(
     num_rows,  # R (read with DENSE)
     N,
     N_PAD,
-    n_quads,  # quads per row (WPR / 16)
+    n_quads,  # quads per row (WPR / WPQ)
     n_iter,  # quads per CTA: CTA sp of SPLIT takes quads sp n_iter .. (zeros past n_quads)
     num_experts,
     stride_be,
@@ -298,6 +330,7 @@ def mxfp4_wgmma_kernel(
     HAS_BIAS: gl.constexpr,
     DECODE: gl.constexpr,  # inline PTX of one word and its scale byte (see E2M1_DECODE)
     DENSE: gl.constexpr,  # one weight, block b = rows b BT .. (no plan)
+    WPQ: gl.constexpr,  # words per row and quad: 16 (4-bit fields), 8 (kbit K = 2)
     SPLIT: gl.constexpr,  # CTAs per output tile along K (grid axis 2)
 ):
     NW: gl.constexpr = 8
@@ -329,7 +362,7 @@ def mxfp4_wgmma_kernel(
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
 
     x_smem = gl.allocate_shared_memory(x_desc.dtype, [2 * S, BT, 64], x_desc.layout)
-    w_smem = gl.allocate_shared_memory(gl.int32, [S, 128, 16], w_desc.layout)
+    w_smem = gl.allocate_shared_memory(gl.int32, [S, 128, WPQ], w_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
     for b in gl.static_range(S):
         mbarrier.init(bars.index(b), count=1)
@@ -435,16 +468,21 @@ def dense_gemm(
     stages: int = DEFAULT_STAGES,
     chunk: int | None = None,
     owner: object | None = None,
+    words_per_block: int = 4,
 ) -> torch.Tensor:
     """out [R, n] = ``x @ W.T (+ bias)`` for one weight W [n, K] in the runtime layout
-    (``qweight int32 [N_pad, WPR]``, ``scales uint8 [N_pad, WPR / 4]``), x [R, K] bf16 or
-    fp16 in `input_order`; `decode` the PTX of a word (`E2M1_DECODE` for MXFP4, which needs
-    bf16; `kbit.triton.wgmma.codebook_word_asm`); `owner`: the object holding qweight for the
-    life of the weight, which keeps its TMA descriptor (built once)."""
+    (``qweight int32 [N_pad, KB_pad * words_per_block]``: 4 words of 4-bit fields a block, or
+    2 of 2-bit fields for kbit K = 2; ``scales uint8 [N_pad, KB_pad]``), x [R, K] bf16 or fp16
+    in `input_order`; `decode` the PTX of the 8 fields a lane takes (`E2M1_DECODE` for MXFP4,
+    which needs bf16; `kbit.triton.wgmma.codebook_word_asm`); `owner`: the object holding
+    qweight for the life of the weight, which keeps its TMA descriptor (built once)."""
     if decode == E2M1_DECODE and x.dtype != torch.bfloat16:
         raise ValueError(f"MXFP4 wgmma: activations must be bf16, got {x.dtype}")
+    if words_per_block not in (2, 4):
+        raise ValueError(f"4-bit wgmma: words_per_block={words_per_block}; supported: 2, 4")
     return _launch(
-        x, qweight, scales, n, block_tokens, stages, chunk, decode, bias, None, 1, owner
+        x, qweight, scales, n, block_tokens, stages, chunk, decode, bias, None, 1, owner,
+        4 * words_per_block,
     )  # fmt: skip
 
 
@@ -459,25 +497,27 @@ def _x_layout(bt: int, dtype: torch.dtype):
     )
 
 
-def _weight_desc(qweight: torch.Tensor, num_experts: int, owner: object | None):
-    """qweight's TMA descriptor ``[E * N_pad, WPR]``, kept on `owner` (host time: building
-    descriptors and layouts took tens of microseconds a call, which eager prefill pays)."""
+def _weight_desc(qweight: torch.Tensor, num_experts: int, wpq: int, owner: object | None):
+    """qweight's TMA descriptor ``[E * N_pad, WPR]`` (boxes of a quad's `wpq` words of 128
+    rows), kept on `owner` (host time: building descriptors and layouts took tens of
+    microseconds a call, which eager prefill pays)."""
     cache = getattr(owner, "__dict__", {})
-    key = ("_wgmma_w_desc", qweight.data_ptr(), tuple(qweight.shape))
+    key = ("_wgmma_w_desc", qweight.data_ptr(), tuple(qweight.shape), wpq)
     desc = cache.get("_wgmma_w_desc")
     if desc is None or desc[0] != key:
         n_pad, wpr = qweight.shape[-2:]
         flat = qweight.view(num_experts * n_pad, wpr)
         desc = cache["_wgmma_w_desc"] = (
             key,
-            TensorDescriptor.from_tensor(flat, [128, 16], _W_LAYOUT),
+            TensorDescriptor.from_tensor(flat, [128, wpq], _W_LAYOUT),
         )
     return desc[1]
 
 
 def _launch(
-    x, qweight, scales, n, bt, stages, chunk, decode, bias, plan, num_experts, owner=None
-) -> torch.Tensor:
+    x, qweight, scales, n, bt, stages, chunk, decode, bias, plan, num_experts, owner=None,
+    wpq=16,
+) -> torch.Tensor:  # fmt: skip
     if bt not in BLOCK_TOKENS:
         raise ValueError(f"4-bit wgmma: {bt} tokens per tile; supported: {BLOCK_TOKENS}")
     chunk = chunk or bt
@@ -492,19 +532,19 @@ def _launch(
     if (
         x.dtype not in (torch.bfloat16, torch.float16)
         or x.shape != (rows, k)
-        or k > 8 * wpr
+        or k > 128 * wpr // wpq
         or not x.is_contiguous()
     ):
         raise ValueError(
-            f"4-bit wgmma: x must be contiguous bf16 or fp16 [{rows}, K <= {8 * wpr}], got "
-            f"{x.dtype} {tuple(x.shape)}"
+            f"4-bit wgmma: x must be contiguous bf16 or fp16 [{rows}, K <= {128 * wpr // wpq}], "
+            f"got {x.dtype} {tuple(x.shape)}"
         )
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
     x_desc = TensorDescriptor.from_tensor(x, [bt, 64], _x_layout(bt, x.dtype))
-    w_desc = _weight_desc(qweight, num_experts, owner)
-    n_quads = wpr // 16
+    w_desc = _weight_desc(qweight, num_experts, wpq, owner)
+    n_quads = wpr // wpq
     blocks = triton.cdiv(rows, bt) if plan is None else plan.num_blocks
     n_tiles = triton.cdiv(n, BLOCK_N)
     split, n_iter = 1, n_quads
@@ -520,6 +560,6 @@ def _launch(
         cnt, *ptrs, rows, n, n_pad, n_quads, n_iter, num_experts,
         bias.stride(0) if bias is not None and plan is not None else 0, out.stride(0),
         BT=bt, CH=chunk, S=stages, ODD=n_iter % 2 == 1, HAS_BIAS=bias is not None,
-        DECODE=decode, DENSE=plan is None, SPLIT=split, num_warps=NUM_WARPS,
+        DECODE=decode, DENSE=plan is None, WPQ=wpq, SPLIT=split, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out

@@ -12,8 +12,8 @@ values.
 (`kernels.moe.BlockPlan`), or with ``DENSE`` for the rows of one weight (block b: rows
 ``b BT ..``, no plan). A CTA computes ``W x^T`` for 128 output columns (two warpgroups of
 64, sharing the x tiles) of one block, streaming K one quad (4 blocks of 32 inputs) per
-pipeline stage: a TMA copy of the quad's weight words (``[128 rows, 16 words]`` of
-`mxfp4.layout`'s ``qweight``) and two of x (``[BT, 64]`` each) land on the stage's mbarrier.
+pipeline stage: a TMA copy of the quad's weight words (``[128 rows, WPQ words]`` of the
+runtime ``qweight``) and two of x (``[BT, 64]`` each) land on the stage's mbarrier.
 
 Fragment order. Per warp a wgmma A tile is the ``m16n8k16`` A fragment: lane ``4 g + c`` holds
 rows g and g + 8 at k positions ``2 c + (0, 1)`` and ``2 c + 8 + (0, 1)`` of each k16 step.

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from quantfw.kernels.common.tables import ConfigTables
-from quantfw.kernels.kbit.configs import WGMMA_BITS, check_config, default_config, wgmma_tile
+from quantfw.kernels.kbit.configs import check_config, default_config
 
 ENV_DIR = "QUANTFW_KBIT_CONFIG_DIR"
 PACKAGE_DIR = Path(__file__).parent / "tuned"
@@ -23,14 +23,13 @@ def untuned_config(
     device_name: str, M: int, N: int, K: int, bits: int, wgmma: bool = False
 ) -> tuple:
     """The config of a call that no ``tune()`` covered. Where the wgmma kernel may run
-    (`wgmma`: sm_90, a call made for CUDA graphs) its tile by `configs.wgmma_tile`, if any;
-    else the table entry for this GPU model, shape and M bucket (a wgmma entry only where the
-    kernel may run), else the heuristic ``default_config``."""
-    if wgmma and bits in WGMMA_BITS:
-        tile = wgmma_tile(M, N, K)
-        if tile is not None:
-            return tile
+    (`wgmma`: sm_90, a call made for CUDA graphs) the default if it is that kernel's tile
+    (`configs.wgmma_tile`); else the table entry for this GPU model, shape and M bucket (a
+    wgmma entry only where the kernel may run), else the heuristic ``default_config``."""
+    default = default_config(M, N, K, bits, wgmma)
+    if default[0] == "wgmma":
+        return default
     tabled = TABLES.find_config(device_name, M, N, K, bits)
     if tabled is not None and (wgmma or tabled[0] != "wgmma"):
         return tabled
-    return default_config(M, N, K, bits)
+    return default

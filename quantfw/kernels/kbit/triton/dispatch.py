@@ -91,7 +91,7 @@ def gemm(
         return kbit_mma_matmul(
             x2, weight.qweight, weight.scales, _lookup_table(weight, x2.dtype),
             weight.out_features, weight.bits, bias, warps, chunk, ctas_per_sm, copies, pipe,
-            act=act,
+            act=act, owner=weight,
         )  # fmt: skip
     if cfg[0] == "wgmma":
         from quantfw.kernels.kbit.triton.wgmma import kbit_wgmma_matmul

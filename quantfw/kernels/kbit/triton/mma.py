@@ -59,9 +59,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import constexpr_function
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from quantfw.kernels.common import cuda_capability, pdl, splitk
+from quantfw.kernels.common.tma import words_descriptor
 from quantfw.kernels.fused import GatedAct
 from quantfw.kernels.kbit.configs import MMA_BITS
 from quantfw.kernels.kbit.layout import GATED_GROUP, _as_int32
@@ -648,7 +648,7 @@ def tma_staging(
 def _launch(
     x2, qweight, scales, lut, rows, N, bits, bias, tm, token_tiles, *, group=None, ue8m0=False,
     planned_tiles=None, warps=4, chunk=4, ctas_per_sm=4, copies=1, pipe=False, maxnreg=None,
-    wk=None, act=None, stage_by_tma=None,
+    wk=None, act=None, stage_by_tma=None, owner=None,
 ):  # fmt: skip
     """One launch of `kbit_mma_kernel` over ``token_tiles`` tiles of ``tm`` tokens, into a new
     output of ``rows`` rows in x's dtype (the split
@@ -668,7 +668,8 @@ def _launch(
     §16; grouped MXFP4 launches keep the early release, not measured).
 
     ``stage_by_tma``: the weight words come through a TMA-filled shared-memory slot instead of
-    register loads (None: `tma_staging` decides)."""
+    register loads (None: `tma_staging` decides); ``owner``: the object holding qweight, which
+    keeps its TMA descriptor (`common.tma.words_descriptor`)."""
     _check_options(bits, chunk, copies)
     K = x2.shape[1]
     n_pad, kbp = qweight.shape[-2], qweight.shape[-1] // bits
@@ -691,11 +692,8 @@ def _launch(
     if stage_by_tma is None:
         stage_by_tma = tma_staging(x2.device, bits, tm, warps, wk, chunk, copies)
     w_desc = None
-    if stage_by_tma:
-        w_desc = TensorDescriptor.from_tensor(
-            qweight.view(-1, qweight.shape[-1]), [64, 16],
-            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2),
-        )  # fmt: skip
+    if stage_by_tma:  # a warp's box: 64 rows, a quad's 16 words
+        w_desc = words_descriptor(qweight.view(-1, qweight.shape[-1]), [64, 16], owner)
     kbit_mma_kernel[grid](
         x2.view(torch.int32), qweight, sw, lut, bias if has_bias else out, out, ws, cnt,
         block_expert, block_row, m_indptr, gather if gather is not None else out,
@@ -735,6 +733,7 @@ def kbit_mma_matmul(
     wk: int | None = None,
     act: tuple[GatedAct, int] | None = None,
     stage_by_tma: bool | None = None,
+    owner: object | None = None,
 ) -> torch.Tensor:
     """out[M, N] = x2[M, K] @ W.T (+ bias) for a field-packed weight (``qweight``, ``scales``
     of `layout.KbitWeight`) and its `lookup_table` ``lut`` in x's dtype; x2 fp16/bf16 on CUDA.
@@ -743,14 +742,14 @@ def kbit_mma_matmul(
     memory (1..32, a power of two), ``warps`` 64-column blocks per CTA, ``maxnreg`` a cap on
     registers per thread (None: the compiler's choice), ``wk`` warps per 64-column block
     splitting its chunks (None: all ``warps``; see `_launch`); ``act``: a gated pair's
-    activation, out [M, N / 2] (see `_launch`); ``stage_by_tma``: see `_launch`."""
+    activation, out [M, N / 2] (see `_launch`); ``stage_by_tma``, ``owner``: see `_launch`."""
     x2 = as_int32_pairs(x2)
     M = x2.shape[0]
     tm = 8 if M <= 8 else 16
     return _launch(
         x2, qweight, scales, lut, M, N, bits, bias, tm, triton.cdiv(M, tm), warps=warps,
         chunk=chunk, ctas_per_sm=ctas_per_sm, copies=copies, pipe=pipe, maxnreg=maxnreg, wk=wk,
-        act=act, stage_by_tma=stage_by_tma,
+        act=act, stage_by_tma=stage_by_tma, owner=owner,
     )  # fmt: skip
 
 

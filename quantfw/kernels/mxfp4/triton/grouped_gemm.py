@@ -275,7 +275,7 @@ def grouped_gemm(
         options = {key: v for key, v in config.items() if key not in ("BLOCK_M", "LUT")}
         return grouped_lut_mma(
             a, weights.qweight, weights.scales, e2m1_lookup_table(a.device, a.dtype), n, plan,
-            gather=gather, bias=bias, ue8m0=True, **options,
+            gather=gather, bias=bias, ue8m0=True, owner=weights, **options,
         )  # fmt: skip
     out = torch.empty(plan.num_rows, n, dtype=a.dtype, device=a.device)
     if plan.num_rows == 0 or plan.num_blocks == 0:

@@ -54,6 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from quantfw.kernels.common import splitk
+from quantfw.kernels.common.tma import words_descriptor
 from quantfw.kernels.fused.reference import transpose_pairs
 from quantfw.kernels.moe.sort import BlockPlan
 from quantfw.kernels.mxfp4.triton.dequantize import e2m1_word_bf16_asm
@@ -486,32 +487,11 @@ def dense_gemm(
     )  # fmt: skip
 
 
-#: the weights' shared-memory layout (the words of a quad land as they are: no swizzle)
-_W_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-
-
 @functools.cache
 def _x_layout(bt: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(
         [bt, 64], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
     )
-
-
-def _weight_desc(qweight: torch.Tensor, num_experts: int, wpq: int, owner: object | None):
-    """qweight's TMA descriptor ``[E * N_pad, WPR]`` (boxes of a quad's `wpq` words of 128
-    rows), kept on `owner` (host time: building descriptors and layouts took tens of
-    microseconds a call, which eager prefill pays)."""
-    cache = getattr(owner, "__dict__", {})
-    key = ("_wgmma_w_desc", qweight.data_ptr(), tuple(qweight.shape), wpq)
-    desc = cache.get("_wgmma_w_desc")
-    if desc is None or desc[0] != key:
-        n_pad, wpr = qweight.shape[-2:]
-        flat = qweight.view(num_experts * n_pad, wpr)
-        desc = cache["_wgmma_w_desc"] = (
-            key,
-            TensorDescriptor.from_tensor(flat, [128, wpq], _W_LAYOUT),
-        )
-    return desc[1]
 
 
 def _launch(
@@ -543,7 +523,8 @@ def _launch(
     if rows == 0:
         return out
     x_desc = TensorDescriptor.from_tensor(x, [bt, 64], _x_layout(bt, x.dtype))
-    w_desc = _weight_desc(qweight, num_experts, wpq, owner)
+    # the quad's words, 128 rows (the weights viewed [E * N_pad, WPR])
+    w_desc = words_descriptor(qweight.view(num_experts * n_pad, wpr), [128, wpq], owner)
     n_quads = wpr // wpq
     blocks = triton.cdiv(rows, bt) if plan is None else plan.num_blocks
     n_tiles = triton.cdiv(n, BLOCK_N)

@@ -1,4 +1,4 @@
-"""kbit K = 4 through the Hopper wgmma kernel (`kbit.triton.wgmma`): the codebook decode's
+"""kbit weights through the Hopper wgmma kernel (`kbit.triton.wgmma`): the codebook decode's
 algorithm on the CPU, an ahead-of-time sm_90 compile (no GPU), the config choice, and the
 kernel against the float64 reference on a GPU (marked ``gpu``)."""
 
@@ -23,26 +23,32 @@ from quantfw.kernels.kbit.triton import wgmma as KW  # noqa: E402
 def _codebooks(bits: int = 4):
     g = torch.Generator().manual_seed(3)
     user = torch.sort(torch.randn(2**bits, generator=g) * 3).values
-    user[2**bits // 2 - 1] = 0.0  # a zero level: +0 times any scale
+    user[user.abs().argmin()] = 0.0  # a zero level (+0 times any scale), still ascending
     return [kfmt.normal_float_codebook(bits), user]
 
 
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_codebook_decode_on_cpu(bits, dtype):
     """`codebook_words` (the PTX's prmt / lop3 algorithm in torch) gives, for random fields
-    (K = 2: the low 16 bits, the high ones random) and every E4M4 byte (zero and subnormal
-    scales included), ``16 * level`` in the dtype times ``absmax / 16``, rounded once, in the
-    fields' order."""
+    (K = 2, 3: 2-bit fields in the low 16 bits, the high ones random; K = 3, 5: the 1-bit
+    fields in the low byte of a second word, its other bytes random) and every E4M4 byte (zero
+    and subnormal scales included), ``16 * level`` in the dtype times ``absmax / 16``, rounded
+    once, in the fields' order."""
     g = torch.Generator().manual_seed(bits + int(dtype == torch.bfloat16))
     for cb in _codebooks(bits):
         idx = torch.randint(0, 2**bits, (4096, 8), generator=g)
         idx[: 2**bits] = torch.arange(2**bits)[:, None]  # every level
-        words = sum(idx[:, t] << (bits * t) for t in range(8))
-        if bits == 2:  # the other lane's half of the word
+        width = 4 if bits >= 4 else 2  # the first field group's
+        words = sum((idx[:, t] % 2**width) << (width * t) for t in range(8))
+        if bits < 4:  # the other lane's half of the word
             words |= torch.randint(0, 2**16, (4096,), generator=g) << 16
+        ones = None
+        if bits in (3, 5):  # the 1-bit fields, the other lanes' bytes above
+            ones = sum((idx[:, t] >> width) << t for t in range(8))
+            ones |= torch.randint(0, 2**24, (4096,), generator=g) << 8
         scale = torch.arange(4096) % 256
-        got = KW.codebook_words(words, scale, cb, dtype)
+        got = KW.codebook_words(words, scale, cb, dtype, ones)
         absmax = kfmt.decode_e4m4(scale.to(torch.uint8)).double()
         want = ((16 * cb.float()).to(dtype).double()[idx] * (absmax / 16)[:, None]).to(dtype)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
@@ -53,22 +59,24 @@ def test_codebook_decode_on_cpu(bits, dtype):
 
 
 def test_codebook_decode_rejects_what_it_cannot_decode():
-    with pytest.raises(ValueError, match="a codebook of 4 or 16 levels"):
-        KW.table_words(kfmt.normal_float_codebook(3), torch.float16)
-    with pytest.raises(ValueError, match="a table of 2 or 8 registers"):
-        KW.codebook_word_asm((0,) * 4, torch.float16)
+    with pytest.raises(ValueError, match="a codebook of 4, 8, 16 or 32 levels"):
+        KW.table_words(torch.linspace(-1, 1, 6), torch.float16)
+    with pytest.raises(ValueError, match="a table of 2, 4, 8 or 16 registers"):
+        KW.codebook_word_asm((0,) * 6, torch.float16)
     with pytest.raises(ValueError, match="fp16 or bf16, got torch.float32"):
         KW.codebook_word_asm((0,) * 8, torch.float32)
 
 
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_wgmma_kernel_with_the_codebook_compiles_for_sm90_without_a_gpu(bits, dtype, tmp_path):
     """The dense launch with the codebook decode through Triton's bundled ptxas: per word of 8
     fields, K = 4: two mask, eight lookup and four pairing ``prmt`` plus the scale's and four
-    ``lop3``; K = 2: four lookup and four pairing ``prmt`` plus the scale's; four packed FMAs;
-    the levels are immediates (no memory read for a lookup); the decoded A never staged
-    through shared memory (every shared store after the last wgmma); no spills."""
+    ``lop3``; K = 5: four mask, sixteen lookup and four pairing ``prmt`` plus the scale's and
+    twelve ``lop3``; K = 2, 3: four lookup and four pairing ``prmt`` plus the scale's; four
+    packed FMAs; at K = 3, 5 a second TMA copy a stage (the 1-bit words); the levels are
+    immediates (no memory read for a lookup); the decoded A never staged through shared memory
+    (every shared store after the last wgmma); no spills."""
     from aot import compile_for_sm90
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
@@ -85,10 +93,12 @@ def test_wgmma_kernel_with_the_codebook_compiles_for_sm90_without_a_gpu(bits, dt
     bt, chunk = 128, 64
     x = torch.zeros(256, 4096, dtype=dtype)
     wpq = 4 * bits  # words per row and quad
+    mw = wgmma.MAIN_WORDS[wpq]  # of them in the first field group
     q = torch.zeros(128, 128 * bits, dtype=torch.int32)
     w_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     x_layout = gl.NVMMASharedLayout.get_default_for([bt, 64], gdt)
-    sig = {"x_desc": desc_type(x, [bt, 64], x_layout), "w_desc": desc_type(q, [128, wpq], w_layout),
+    sig = {"x_desc": desc_type(x, [bt, 64], x_layout), "w_desc": desc_type(q, [128, mw], w_layout),
+           "o_desc": desc_type(q, [128, 4], w_layout),
            "s_ptr": "*i32", "bias_ptr": f"*{name}", "out_ptr": f"*{name}", "ws_ptr": "*fp32",
            "cnt_ptr": "*i32", "block_expert_ptr": f"*{name}", "block_row_ptr": f"*{name}",
            "m_indptr_ptr": f"*{name}", "num_rows": "i32", "N": "i32", "N_PAD": "i32",
@@ -101,8 +111,11 @@ def test_wgmma_kernel_with_the_codebook_compiles_for_sm90_without_a_gpu(bits, dt
     kernel = compile_for_sm90(wgmma.mxfp4_wgmma_kernel, sig, consts, num_warps=8)
     ptx = kernel.asm["ptx"]
     words = 2 * 8  # the loop's two stages, 8 words a thread each
-    assert ptx.count("prmt.b32") == words * (15 if bits == 4 else 9)
-    assert ptx.count("lop3.b32") == words * (4 if bits == 4 else 0)
+    assert ptx.count("prmt.b32") == words * {2: 9, 3: 9, 4: 15, 5: 25}[bits]
+    assert ptx.count("lop3.b32") == words * {2: 0, 3: 0, 4: 4, 5: 12}[bits]
+    # per stage (S - 1 ahead, the loop's two): the words, x's two halves, at K = 3, 5 the
+    # 1-bit words
+    assert ptx.count("cp.async.bulk.tensor") == (3 + (bits in (3, 5))) * (3 - 1 + 2)
     assert ptx.count(f"fma.rn.{'f16' if dtype == torch.float16 else 'bf16'}x2") == words * 4
     assert ptx.count("wgmma.mma_async") == 8 * 2 * 2  # 8 per stage and chunk, 2 chunks, 2 stages
     assert "ld.local" not in ptx and "shfl" not in ptx
@@ -127,23 +140,21 @@ def test_launch_mode_marks_calls_for_cuda_graphs():
     assert not graph_launches_active()
 
 
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
 def test_default_configs_where_the_wgmma_kernel_may_run(bits):
-    """Where it may run (sm_90, calls for CUDA graphs) at K = 2, 4: the mma kernel to 16
-    tokens, then the wgmma kernel: 64-token tiles to 64, 128 to 128, then 256-token tiles for
-    large weights (to 256) and wide ones (to 1024), else dequantize + cuBLAS; K = 3, 5 and
-    other GPUs keep their paths; the candidates add the wgmma kernel's from 16 tokens."""
+    """Where it may run (sm_90, calls for CUDA graphs): the mma kernel to 16 tokens, then the
+    wgmma kernel: 64-token tiles to 64, 128 to 128, then 256-token tiles for large weights (to
+    256) and wide ones (to 1024, K = 5 to 256), else dequantize + cuBLAS; other GPUs keep
+    their paths; the candidates add the wgmma kernel's from 16 tokens."""
     Ms = (1, 16, 17, 64, 65, 128, 129, 256, 257, 1024, 1025)
     gate_up, down, o = (24576, 4096), (4096, 12288), (4096, 4096)
     tiles = {shape: [C.default_config(M, *shape, bits, wgmma=True)[:2] for M in Ms]
              for shape in (gate_up, down, o)}  # fmt: skip
     first = [("mma", 4)] * 2 + [("wgmma", 64)] * 2 + [("wgmma", 128)] * 2
-    assert tiles[gate_up] == first + [("wgmma", 256)] * 4 + [("deq", 128)]
+    wide = 4 if bits < 5 else 2  # K = 5: its decode costs more, gate_up to 256 tokens
+    assert tiles[gate_up] == first + [("wgmma", 256)] * wide + [("deq", 128)] * (5 - wide)
     assert tiles[down] == first + [("wgmma", 256)] * 2 + [("deq", 128)] * 3
     assert tiles[o] == first + [("deq", 128)] * 5
-    for other in (3, 5):
-        assert C.default_config(64, *gate_up, other, wgmma=True) == C.default_config(64, *gate_up, other)  # fmt: skip
-        assert not any(c[0] == "wgmma" for c in C.candidate_configs(64, other, wgmma=True))
     assert C.default_config(64, *gate_up, bits)[0] == "fused"
     for M in (16, 64, 1024):
         cands = C.candidate_configs(M, bits, wgmma=True)
@@ -172,7 +183,7 @@ def _hopper():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("N,K", [(200, 352), (640, 4096)])
 def test_gpu_wgmma_matches_reference(bits, dtype, N, K):

@@ -115,6 +115,7 @@ def test_wgmma_kernel_compiles_for_sm90_without_a_gpu():
         x = torch.zeros(256, 2880, dtype=torch.bfloat16)
         x_layout = gl.NVMMASharedLayout.get_default_for([bt, 64], gl.bfloat16)
         sig = {"x_desc": desc_type(x, [bt, 64], x_layout), "w_desc": desc_type(q, [128, 16], w_layout),
+               "o_desc": desc_type(q, [128, 16], w_layout),
                "s_ptr": "*i32", "bias_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32",
                "cnt_ptr": "*i32", "block_expert_ptr": "*i32", "block_row_ptr": "*i32",
                "m_indptr_ptr": "*i64", "num_rows": "i32", "N": "i32", "N_PAD": "i32",

@@ -19,7 +19,7 @@ Config tuples:
   MMA's first operand, read from registers by Hopper's wgmma; block_n fills its M >= 64);
 * ``("deq", block_n, block_k, warps)``: ``kbit_dequant_kernel`` writes a transient dense
   ``[N, K]`` weight in the activation dtype, then cuBLAS (``F.linear``);
-* ``("wgmma", block_tokens, stages, chunk)`` (K = 2, 4 on sm_90): ``triton/wgmma.py``, the Hopper
+* ``("wgmma", block_tokens, stages, chunk)`` (sm_90): ``triton/wgmma.py``, the Hopper
   kernel of ``mxfp4/triton/wgmma.py`` (codebook lookups by ``prmt`` into wgmma's register
   operand, x tiles by TMA), ``block_tokens`` (64, 128, 256) rows per CTA in wgmma chunks of
   ``chunk`` rows (a chunk past the last row is skipped), ``stages`` deep. Two launches and
@@ -50,17 +50,18 @@ FUSED_DEFAULT_MAX_M = 128
 MMA_BITS = (2, 3, 4, 5)
 MMA_DEFAULT_MAX_M = 16
 #: bits the wgmma kernel serves (sm_90) and its configs: 64-, 128- and 256-token tiles
-WGMMA_BITS = (2, 4)
+WGMMA_BITS = (2, 3, 4, 5)
 WGMMA_64, WGMMA_128, WGMMA_256 = (
     ("wgmma", 64, 4, 64),
     ("wgmma", 128, 3, 128),
     ("wgmma", 256, 3, 256),
 )
 #: weights (N * K) from which 256-token tiles win at 129..256 tokens, and N from which they
-#: win over dequantize + cuBLAS up to 1024 (H200, benchmarks/kbit-lab-log.md §20)
+#: win over dequantize + cuBLAS up to 1024 tokens (256 at K = 5, whose decode costs more)
+#: (H200, benchmarks/kbit-lab-log.md §20, §21)
 WGMMA_256_MIN_WEIGHTS = 32 * 2**20
 WGMMA_WIDE_MIN_N = 16384
-WGMMA_MAX_M = 1024
+WGMMA_MAX_M = {2: 1024, 3: 1024, 4: 1024, 5: 256}
 
 
 def _mma_copies(bits: int) -> int:
@@ -79,10 +80,10 @@ def _mma_default(M: int, bits: int) -> tuple:
     return ("mma", 4, 4, 3 if M <= 8 else 4, _mma_copies(bits), False)
 
 
-def wgmma_tile(M: int, N: int, K: int) -> tuple | None:
-    """The wgmma kernel's config for M > 16 tokens (K = 2, 4 on sm_90) where it beat the other
-    paths at Qwen3-8B's shapes (H200, both K): every shape to 128 tokens, then the large
-    weights (256-token tiles) to 256, then only the widest (gate_up) to 1024; None elsewhere
+def wgmma_tile(M: int, N: int, K: int, bits: int) -> tuple | None:
+    """The wgmma kernel's config for M > 16 tokens (sm_90) where it beat the other paths at
+    Qwen3-8B's shapes (H200, every K): every shape to 128 tokens, then the large weights
+    (256-token tiles) to 256, then only the widest (gate_up) to `WGMMA_MAX_M`; None elsewhere
     (and to 16 tokens, the mma kernel's)."""
     if M <= MMA_DEFAULT_MAX_M:
         return None
@@ -90,7 +91,9 @@ def wgmma_tile(M: int, N: int, K: int) -> tuple | None:
         return WGMMA_64
     if M <= 128:
         return WGMMA_128
-    if M <= 256 and N * K >= WGMMA_256_MIN_WEIGHTS or M <= WGMMA_MAX_M and N >= WGMMA_WIDE_MIN_N:
+    large = M <= 256 and N * K >= WGMMA_256_MIN_WEIGHTS
+    wide = N >= WGMMA_WIDE_MIN_N and WGMMA_MAX_M[bits] >= M
+    if large or wide:
         return WGMMA_256
     return None
 
@@ -132,12 +135,11 @@ def check_config(cfg: tuple, where: str = "kbit config") -> tuple:
 
 def default_config(M: int, N: int, K: int, bits: int, wgmma: bool = False) -> tuple:
     """The heuristic config of an untuned call (few tokens: the mma kernel; beyond, where the
-    wgmma kernel may run (`wgmma`: sm_90, launches replayed from CUDA graphs) at K = 2, 4: that
-    kernel; elsewhere up to ``FUSED_DEFAULT_MAX_M``: fused, then dequantize + cuBLAS)."""
+    wgmma kernel may run (`wgmma`: sm_90, launches replayed from CUDA graphs): that kernel; elsewhere up to ``FUSED_DEFAULT_MAX_M``: fused, then dequantize + cuBLAS)."""
     if M <= MMA_DEFAULT_MAX_M and bits in MMA_BITS:
         return _mma_default(M, bits)
     if wgmma and bits in WGMMA_BITS:
-        tile = wgmma_tile(M, N, K)
+        tile = wgmma_tile(M, N, K, bits)
         if tile is not None:
             return tile
     if M <= 16:
@@ -153,7 +155,7 @@ def default_config(M: int, N: int, K: int, bits: int, wgmma: bool = False) -> tu
 
 def candidate_configs(M: int, bits: int = 4, wgmma: bool = False) -> list[tuple]:
     """The small set tried by tune() for one M bucket and bit width (the default first;
-    `wgmma`: with the wgmma kernel's configs from 16 tokens at K = 2, 4)."""
+    `wgmma`: with the wgmma kernel's configs from 16 tokens)."""
     deq = [("deq", 128, 128, 8), ("deq", 64, 256, 4)]
     if M <= 16:
         cands = [

@@ -1,21 +1,25 @@
-"""kbit K = 2 and 4 through the Hopper wgmma kernel of `mxfp4.triton.wgmma` (batches of 17 or
-more tokens on sm_90; by default in calls made for CUDA graphs, `triton.dispatch`): the
-field-packed K = 4 layout is MXFP4's runtime layout byte for byte and K = 2's has the same
-quads with 2 words a block, so only the decode of the 8 fields a lane takes differs, given here
-as inline PTX.
+"""kbit weights through the Hopper wgmma kernel of `mxfp4.triton.wgmma` (batches of 17 or more
+tokens on sm_90; by default in calls made for CUDA graphs, `triton.dispatch`): the field-packed
+K = 4 layout is MXFP4's runtime layout byte for byte, K = 2's has the same quads with 2 words a
+block, and K = 3 and 5 add a 1-bit word a block to K = 2's and K = 4's (`kbit.layout`), which
+the kernel copies into a shared-memory slot of its own. So only the decode of the 8 fields a
+lane takes differs, given here as inline PTX.
 
 The levels, as ``16 * level`` in the activation dtype, are split into their low and high bytes
-(K = 4: four registers each, entries ``4 i .. 4 i + 3`` in register i; K = 2: one each), which
-become immediates of the PTX, so the kernel is compiled once per codebook and dtype. ``prmt``
-picks bytes by 4-bit selectors, four at a time:
+(entries ``4 i .. 4 i + 3`` in register i: ``2**K / 4`` registers each), which become
+immediates of the PTX, so the kernel is compiled once per codebook and dtype. ``prmt`` picks
+bytes among 8 by 3-bit selectors, four at a time; the selectors of the lane's 8 indices are
+the nibbles of a word:
 
-* K = 4 (a word of 8 nibbles, element ``8 c + t`` at bits ``4 t``; the low, then the high 16
-  bits): one ``prmt`` per register pair looks up the bytes among entries 0..7 and another
-  among 8..15 (``prmt`` selects with 3 bits), a ``prmt`` in sign-replicate mode turns each
-  index's bit 3 into a byte mask, and ``lop3`` picks between the two lookups;
-* K = 2 (the lane's 16 bits of 2-bit fields: the kernel shifts word ``c // 2`` by
-  ``16 (c % 2)``): three shift-or-mask steps spread the fields to nibbles, and one ``prmt``
-  per byte register looks them up.
+* K = 4, 5 (a word of 8 nibbles, element ``8 c + t`` at bits ``4 t``; the low, then the high
+  16 bits): one ``prmt`` per register pair looks up bits 0..2 of each index among 8 entries,
+  a ``prmt`` in sign-replicate mode turns each index's bit 3 into a byte mask, and ``lop3``
+  picks between two lookups; at K = 5 the lane's 1-bit fields (byte c of the 1-bit word)
+  become bit 4's byte mask the same way, and a third ``lop3`` picks between two such pairs;
+* K = 2, 3 (the lane's 16 bits of 2-bit fields: the kernel shifts word ``c // 2`` by ``16 (c
+  % 2)``): three shift-or-mask steps spread the fields to nibbles, at K = 3 the 1-bit fields
+  are spread to bit 2 of the same nibbles, and one ``prmt`` per byte register pair looks them
+  up.
 
 Two ``prmt`` then pair low and high bytes into values, and each pair is multiplied by the E4M4
 scale: its byte shifted left by 6 is the fp16 of ``absmax / 16`` (exact, subnormals included;
@@ -31,21 +35,29 @@ import torch
 from quantfw.kernels.kbit.configs import WGMMA_BITS
 from quantfw.kernels.kbit.layout import KbitWeight
 
-#: K = 4: prmt selectors: each index's bit 3 (bit 7 of a byte of ``w << 4`` or ``w``)
-#: replicated over its output byte, for indices 0..3 and 4..7 of the word
+#: prmt selectors of the sign-replicate mode: bit 7 of bytes 0, 0, 1, 1 (values 0..3) or 2,
+#: 2, 3, 3 (values 4..7) of a and b alternately, over the four output bytes. With a = w << 4,
+#: b = w they replicate bit 3 of each nibble of w; with a = v << 7, b = v << 3, bit 0 of each
 _MASK_SELECTORS = (0xD9C8, 0xFBEA)
-#: K = 2: 16 bits of 2-bit fields spread to 8 nibbles, (shift, mask) per step
+#: 16 bits of 2-bit fields spread to 8 nibbles, (shift, mask) per step
 _SPREAD = ((8, 0x00FF00FF), (4, 0x0F0F0F0F), (2, 0x33333333))
+#: 8 bits of 1-bit fields spread to bit 0 of 8 nibbles
+_SPREAD_BITS = ((12, 0x000F000F), (6, 0x03030303), (3, 0x11111111))
 #: prmt selectors pairing low (a) and high (b) bytes into values (0, 1) and (2, 3)
 _PAIR_SELECTORS = (0x5140, 0x7362)
+#: table registers (low and high bytes together) -> K
+_TABLE_BITS = {2: 2, 4: 3, 8: 4, 16: 5}
+#: the DECODE operands: with pack = 8, the word is $4; at K = 3, 5 the 1-bit word is $12 and
+#: the scale $20, else the scale is $12 (`mxfp4.triton.wgmma`'s two operand lists)
+WORD, ONES, SCALE, SCALE_WITH_ONES = 4, 12, 12, 20
 
 
 def table_words(codebook: torch.Tensor, dtype: torch.dtype) -> tuple[int, ...]:
     """The registers of the lookup: low bytes of ``16 * codebook`` in `dtype`, entries ``4 i
-    .. 4 i + 3`` in register i, then their high bytes (8 registers for 16 levels, 2 for 4)."""
+    .. 4 i + 3`` in register i, then their high bytes (``2**K / 2`` registers in all)."""
     n = codebook.numel()
-    if n not in (4, 16):
-        raise ValueError(f"kbit wgmma: a codebook of 4 or 16 levels (K = 2 or 4), got {n}")
+    if n not in (4, 8, 16, 32):
+        raise ValueError(f"kbit wgmma: a codebook of 4, 8, 16 or 32 levels (K = 2..5), got {n}")
     half = (16 * codebook.detach().cpu().to(torch.float32)).to(dtype).view(torch.int16)
     half = [int(v) & 0xFFFF for v in half.tolist()]
     words = []
@@ -55,22 +67,44 @@ def table_words(codebook: torch.Tensor, dtype: torch.dtype) -> tuple[int, ...]:
     return tuple(words)
 
 
+def _lookup_asm(dst: str, regs: tuple[int, ...]) -> str:
+    """PTX: `dst` = the bytes of `regs` (4 entries each) chosen by index bits 0..2 in the
+    nibbles of ``s``, bit 3 by byte mask ``m`` and bit 4 by ``m4`` (uses t0..t3)."""
+    if len(regs) == 1:
+        return f"prmt.b32 {dst}, {regs[0]:#x}, 0, s;\n"
+    groups = [
+        f"prmt.b32 t{g}, {regs[2 * g]:#x}, {regs[2 * g + 1]:#x}, s;" for g in range(len(regs) // 2)
+    ]
+    if len(groups) == 1:
+        return groups[0].replace("t0", dst, 1) + "\n"
+    out = " ".join(groups) + "\n"
+    if len(groups) == 2:
+        return out + f"lop3.b32 {dst}, t0, t1, m, 0xD8;\n"
+    return out + (
+        "lop3.b32 t0, t0, t1, m, 0xD8; lop3.b32 t2, t2, t3, m, 0xD8;"
+        f" lop3.b32 {dst}, t0, t2, m4, 0xD8;\n"
+    )
+
+
 def codebook_word_asm(table: tuple[int, ...], dtype: torch.dtype) -> str:
     """Inline PTX for `mxfp4.triton.wgmma`'s ``DECODE``: the lane's 8 fields (``$4``: a word of
-    8 nibbles, or 8 2-bit fields in its low 16 bits, by the size of `table`) under its E4M4
-    byte ``$12`` into the pairs of values (0, 1), (2, 3), (4, 5), (6, 7) in ``$0..$3``
-    (`dtype` fp16 or bf16), with `table` from `table_words`."""
+    8 nibbles at K = 4, 5, or 8 2-bit fields in its low 16 bits at K = 2, 3; at K = 3, 5 their
+    1-bit fields in the low byte of ``$12``) under its E4M4 byte (``$20`` at K = 3, 5, else
+    ``$12``) into the pairs of values (0, 1), (2, 3), (4, 5), (6, 7) in ``$0..$3`` (`dtype`
+    fp16 or bf16), with `table` from `table_words` (its size gives K)."""
     if dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"kbit wgmma: activations must be fp16 or bf16, got {dtype}")
-    if len(table) not in (2, 8):
-        raise ValueError(f"kbit wgmma: a table of 2 or 8 registers, got {len(table)}")
+    bits = _TABLE_BITS.get(len(table))
+    if bits is None:
+        raise ValueError(f"kbit wgmma: a table of 2, 4, 8 or 16 registers, got {len(table)}")
+    sc_op = f"${SCALE_WITH_ONES if bits in (3, 5) else SCALE}"
     lo, hi = table[: len(table) // 2], table[len(table) // 2 :]
     if dtype == torch.float16:
-        scale = "prmt.b32 sc, $12, 0, 0x4040; shl.b32 sc, sc, 6;\n"
+        scale = f"prmt.b32 sc, {sc_op}, 0, 0x4040; shl.b32 sc, sc, 6;\n"
         fma = "fma.rn.f16x2"
     else:  # the fp16 of absmax / 16 to float32, whose top half is its bf16 (exact)
         scale = (
-            "shl.b32 sc, $12, 6; mov.b32 {h, hx}, sc; cvt.f32.f16 f, h; mov.b32 sc, f;"
+            f"shl.b32 sc, {sc_op}, 6; mov.b32 {{h, hx}}, sc; cvt.f32.f16 f, h; mov.b32 sc, f;"
             " prmt.b32 sc, sc, 0, 0x3232;\n"
         )
         fma = "fma.rn.bf16x2"
@@ -79,32 +113,40 @@ def codebook_word_asm(table: tuple[int, ...], dtype: torch.dtype) -> str:
         f"prmt.b32 l1, l0, h0, {_PAIR_SELECTORS[0]:#x}; {fma} ${{}}, l1, sc, nz;\n"
         f"prmt.b32 h1, l0, h0, {_PAIR_SELECTORS[1]:#x}; {fma} ${{}}, h1, sc, nz;\n"
     )
-    body = []
-    if len(table) == 8:
-        start = "shl.b32 a, w, 4;\n"
-        for part, sel in enumerate(_MASK_SELECTORS):
-            shift = "mov.b32 s, w;" if part == 0 else "shr.b32 s, w, 16;"
-            body.append(
-                f"{shift} and.b32 s, s, 0x7777; prmt.b32 m, a, w, {sel:#x};\n"
-                f"prmt.b32 l0, {lo[0]:#x}, {lo[1]:#x}, s; prmt.b32 l1, {lo[2]:#x}, {lo[3]:#x}, s;"
-                " lop3.b32 l0, l0, l1, m, 0xD8;\n"
-                f"prmt.b32 h0, {hi[0]:#x}, {hi[1]:#x}, s; prmt.b32 h1, {hi[2]:#x}, {hi[3]:#x}, s;"
-                " lop3.b32 h0, h0, h1, m, 0xD8;\n" + pairs.format(2 * part, 2 * part + 1)
-            )
+    start = ""
+    if bits in (3, 5):  # the 1-bit fields to bit 0 of 8 nibbles
+        start += f"and.b32 o, ${ONES}, 0xff;\n" + "".join(
+            f"shl.b32 m, o, {sh}; or.b32 o, o, m; and.b32 o, o, {mask:#x};\n"
+            for sh, mask in _SPREAD_BITS
+        )
+    if bits >= 4:
+        start += "shl.b32 a, w, 4;\n"
+        if bits == 5:
+            start += "shl.b32 o7, o, 7; shl.b32 o3, o, 3;\n"
     else:
-        start = "and.b32 a, w, 0xffff;\n" + "".join(
+        start += "and.b32 a, w, 0xffff;\n" + "".join(
             f"shl.b32 m, a, {sh}; or.b32 a, a, m; and.b32 a, a, {mask:#x};\n"
             for sh, mask in _SPREAD
         )
-        for part in range(2):
-            shift = "mov.b32 s, a;" if part == 0 else "shr.b32 s, a, 16;"
-            body.append(
-                f"{shift} prmt.b32 l0, {lo[0]:#x}, 0, s; prmt.b32 h0, {hi[0]:#x}, 0, s;\n"
-                + pairs.format(2 * part, 2 * part + 1)
-            )
+        if bits == 3:
+            start += "shl.b32 o, o, 2; or.b32 a, a, o;\n"
+    body = []
+    for part, sel in enumerate(_MASK_SELECTORS):
+        if bits >= 4:
+            shift = "mov.b32 s, w;" if part == 0 else "shr.b32 s, w, 16;"
+            sel_asm = f"{shift} and.b32 s, s, 0x7777; prmt.b32 m, a, w, {sel:#x};"
+            if bits == 5:
+                sel_asm += f" prmt.b32 m4, o7, o3, {sel:#x};"
+        else:
+            sel_asm = "mov.b32 s, a;" if part == 0 else "shr.b32 s, a, 16;"
+        body.append(
+            sel_asm + "\n" + _lookup_asm("l0", lo) + _lookup_asm("h0", hi)
+            + pairs.format(2 * part, 2 * part + 1)
+        )  # fmt: skip
     return (
-        "{ .reg .b32 w, a, s, m, l0, l1, h0, h1, sc, nz; .reg .b16 h, hx; .reg .f32 f;\n"
-        "mov.b32 w, $4; mov.b32 nz, 0x80008000;\n" + start + scale + "".join(body) + "}"
+        "{ .reg .b32 w, a, s, m, m4, o, o7, o3, t0, t1, t2, t3, l0, l1, h0, h1, sc, nz;"
+        " .reg .b16 h, hx; .reg .f32 f;\n"
+        f"mov.b32 w, ${WORD}; mov.b32 nz, 0x80008000;\n" + start + scale + "".join(body) + "}"
     )
 
 
@@ -120,46 +162,65 @@ def _prmt(a: torch.Tensor, b: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def codebook_words(
-    words: torch.Tensor, scale_bytes: torch.Tensor, codebook: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:
-    """`codebook_word_asm` in torch: int64 `words` (8 indices each: nibbles at K = 4, 2-bit
-    fields in the low 16 bits at K = 2) under E4M4 `scale_bytes` (same shape) -> ``[..., 8]``
-    values in `dtype`, in the fields' order."""
-    table = torch.tensor(table_words(codebook, dtype), dtype=torch.int64)
-    w = words & 0xFFFFFFFF
+def _spread(v: torch.Tensor, steps: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    for sh, mask in steps:
+        v = (v | (v << sh)) & mask
+    return v
 
-    def const(i: int) -> torch.Tensor:
-        return table[i].expand_as(w)
+
+def codebook_words(
+    words: torch.Tensor,
+    scale_bytes: torch.Tensor,
+    codebook: torch.Tensor,
+    dtype: torch.dtype,
+    ones: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`codebook_word_asm` in torch: int64 `words` (8 indices each: nibbles at K = 4, 5, 2-bit
+    fields in the low 16 bits at K = 2, 3; at K = 3, 5 their 1-bit fields in the low byte of
+    `ones`) under E4M4 `scale_bytes` (same shape) -> ``[..., 8]`` values in `dtype`, in the
+    fields' order."""
+    table = torch.tensor(table_words(codebook, dtype), dtype=torch.int64)
+    bits = _TABLE_BITS[table.numel()]
+    w = words & 0xFFFFFFFF
 
     def sel(v: int) -> torch.Tensor:
         return torch.full_like(w, v)
 
+    def lookup(regs: torch.Tensor, s, m, m4) -> torch.Tensor:
+        if regs.numel() == 1:
+            return _prmt(regs[0].expand_as(w), torch.zeros_like(w), s)
+        got = [_prmt(regs[2 * g].expand_as(w), regs[2 * g + 1].expand_as(w), s)
+               for g in range(regs.numel() // 2)]  # fmt: skip
+        for mask in (m, m4)[: len(got).bit_length() - 1]:  # index bit 3, then bit 4
+            got = [(got[i] & ~mask) | (got[i + 1] & mask) for i in range(0, len(got), 2)]
+        return got[0]
+
+    o = _spread(ones & 0xFF, _SPREAD_BITS) if bits in (3, 5) else None
+    if bits < 4:
+        a = _spread(w & 0xFFFF, _SPREAD)
+        if bits == 3:
+            a = a | (o << 2)
     half = (scale_bytes.to(torch.int64) << 6).to(torch.int16).view(torch.float16)
     scale = half.to(torch.float64)  # absmax / 16, exact
+    lo_regs, hi_regs = table[: table.numel() // 2], table[table.numel() // 2 :]
     parts = []
-    if len(table) == 8:
-        for part, mask_sel in enumerate(_MASK_SELECTORS):
-            s = ((w >> 16 * part) & 0x7777).expand_as(w)
+    for part, mask_sel in enumerate(_MASK_SELECTORS):
+        m = m4 = None
+        if bits >= 4:
+            s = (w >> 16 * part) & 0x7777
             m = _prmt((w << 4) & 0xFFFFFFFF, w, sel(mask_sel))
-            lo = (_prmt(const(0), const(1), s) & ~m) | (_prmt(const(2), const(3), s) & m)
-            hi = (_prmt(const(4), const(5), s) & ~m) | (_prmt(const(6), const(7), s) & m)
-            parts.append((lo, hi))
-    else:
-        a = w & 0xFFFF
-        for sh, mask in _SPREAD:
-            a = (a | (a << sh)) & mask
-        for part in range(2):
-            s = (a >> (16 * part)).expand_as(w)
-            zero = torch.zeros_like(w)
-            parts.append((_prmt(const(0), zero, s), _prmt(const(1), zero, s)))
+            if bits == 5:
+                m4 = _prmt((o << 7) & 0xFFFFFFFF, (o << 3) & 0xFFFFFFFF, sel(mask_sel))
+        else:
+            s = a >> (16 * part)
+        parts.append((lookup(lo_regs, s, m, m4), lookup(hi_regs, s, m, m4)))
     values = []
     for lo, hi in parts:
         for pair_sel in _PAIR_SELECTORS:
             pair = _prmt(lo, hi, sel(pair_sel))
             for h in (0, 1):
-                bits = ((pair >> (16 * h)) & 0xFFFF).to(torch.int16)
-                level = bits.view(dtype).to(torch.float64)
+                bits16 = ((pair >> (16 * h)) & 0xFFFF).to(torch.int16)
+                level = bits16.view(dtype).to(torch.float64)
                 values.append((level * scale).to(dtype))  # exact product, rounded once
     return torch.stack(values, -1)
 
@@ -182,12 +243,11 @@ def kbit_wgmma_matmul(
     stages: int,
     chunk: int | None = None,
 ) -> torch.Tensor:
-    """``x2 [M, K] @ W.T (+ bias)`` for a K = 2 or 4 `weight` on sm_90 (x2 fp16 or bf16): x
-    copied into the kernel's k order (`mxfp4.triton.wgmma.input_order`), then one launch."""
+    """``x2 [M, K] @ W.T (+ bias)`` for a kbit `weight` on sm_90 (x2 fp16 or bf16): x copied into the kernel's k order (`mxfp4.triton.wgmma.input_order`), then one launch."""
     from quantfw.kernels.mxfp4.triton import wgmma
 
     if weight.bits not in WGMMA_BITS:
-        raise ValueError(f"kbit wgmma: K = 2 or 4 weights only, got K = {weight.bits}")
+        raise ValueError(f"kbit wgmma: K in {WGMMA_BITS} only, got K = {weight.bits}")
     return wgmma.dense_gemm(
         wgmma.input_order(x2), weight.qweight, weight.scales, weight.out_features,
         decode_asm(weight, x2.dtype), bias=bias, block_tokens=block_tokens, stages=stages,

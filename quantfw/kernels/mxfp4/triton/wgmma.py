@@ -4,16 +4,19 @@ of activations streamed by TMA; no dequantized copy of the weights is written. T
 MXFP4 (E2M1 codes, UE8M0 block scales: `mxfp4.layout`) or kbit K = 4 (codebook indices, E4M4
 block scales: `kbit.layout`, byte for byte the same runtime layout) or K = 2 (the same quads
 with 2 words a block: ``WPQ`` 8 words a row and quad instead of 16; lanes c and c + 1 take the
-halves of word c // 2); a launch's ``DECODE`` (inline PTX: `dequantize.e2m1_word_bf16_asm`,
-`kbit.triton.wgmma.codebook_word_asm`) turns a lane's 8 codes and their scale byte into 8
-values.
+halves of word c // 2) or K = 3, 5 (K = 2's or K = 4's words followed by the quad's four 1-bit
+words, ``WPQ`` 12 or 20: the 1-bit words are copied by a TMA box of their own into a slot of
+their own, and lane c takes byte c of its row's word); a launch's ``DECODE`` (inline PTX:
+`dequantize.e2m1_word_bf16_asm`, `kbit.triton.wgmma.codebook_word_asm`) turns a lane's 8 codes
+(and 1-bit fields) and their scale byte into 8 values.
 
 ``out[r] = x[r] @ W[e(r)].T (+ bias[e(r)])`` for rows sorted by expert, cut into BT-row blocks
 (`kernels.moe.BlockPlan`), or with ``DENSE`` for the rows of one weight (block b: rows
 ``b BT ..``, no plan). A CTA computes ``W x^T`` for 128 output columns (two warpgroups of
 64, sharing the x tiles) of one block, streaming K one quad (4 blocks of 32 inputs) per
-pipeline stage: a TMA copy of the quad's weight words (``[128 rows, WPQ words]`` of the
-runtime ``qweight``) and two of x (``[BT, 64]`` each) land on the stage's mbarrier.
+pipeline stage: a TMA copy of the quad's weight words (``[128 rows, 16 or 8 words]`` of the
+runtime ``qweight``, and ``[128, 4]`` 1-bit words at K = 3, 5) and two of x (``[BT, 64]``
+each) land on the stage's mbarrier.
 
 Fragment order. Per warp a wgmma A tile is the ``m16n8k16`` A fragment: lane ``4 g + c`` holds
 rows g and g + 8 at k positions ``2 c + (0, 1)`` and ``2 c + 8 + (0, 1)`` of each k16 step.
@@ -66,9 +69,14 @@ BLOCK_N, NUM_WARPS = 128, 8
 BLOCK_TOKENS = (64, 128, 256)
 DEFAULT_STAGES = 3
 #: MXFP4's decode. A DECODE string takes, with pack = 8, $4..$11 the word (broadcast) and
-#: $12..$19 its scale byte, and writes the 8 values as pairs to $0..$3
+#: $12..$19 its scale byte, and writes the 8 values as pairs to $0..$3; with a 1-bit word a
+#: block (kbit K = 3, 5) that word is $12..$19 and the scale byte $20..$27
 E2M1_DECODE = e2m1_word_bf16_asm(4, 12)
 _CONSTRAINTS = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 16))
+_CONSTRAINTS_ONES = gl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 24))
+#: words per row and quad (``WPQ``) -> words of its first field group (copied in one box);
+#: the rest, if any, is the quad's four 1-bit words (kbit K = 3, 5: `kbit.layout`)
+MAIN_WORDS = {8: 8, 12: 8, 16: 16, 20: 16}
 
 
 def input_order(x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -125,16 +133,25 @@ def _input_order_triton(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Ten
 
 @gluon.jit
 def _decode_quad(
-    words, sc, DL: gl.constexpr, NW: gl.constexpr, DECODE: gl.constexpr, DTYPE: gl.constexpr
+    words, ones, sc, DL: gl.constexpr, NW: gl.constexpr, DECODE: gl.constexpr,
+    DTYPE: gl.constexpr, ONES: gl.constexpr,
 ):  # fmt: skip
     """A stage's A tile as two halves ``[16 NW, 64]`` (blocks 0, 1 and 2, 3 of the quad) from
-    words ``[NW, 2 t, 8 g, 4 c, 4 r]`` (row 16 w + 8 t + g, word c of block r) and their scale
-    bytes (same shape); k = 32 r + 16 s + 8 h + 2 c + b within the quad."""
+    words ``[NW, 2 t, 8 g, 4 c, 4 r]`` (row 16 w + 8 t + g, word c of block r), with ONES their
+    1-bit words, and their scale bytes (same shapes); k = 32 r + 16 s + 8 h + 2 c + b within
+    the quad."""
     wb = gl.broadcast(gl.expand_dims(words, 5), gl.full([NW, 2, 8, 4, 4, 8], 0, gl.int32, DL))[0]
     sb = gl.broadcast(gl.expand_dims(sc, 5), wb)[0]
-    v = gl.inline_asm_elementwise(
-        DECODE, _CONSTRAINTS, [wb, sb], dtype=DTYPE.value, is_pure=True, pack=8
-    )  # value e = 4 s + 2 h + b of word c of block r
+    if ONES:
+        ob = gl.broadcast(gl.expand_dims(ones, 5), wb)[0]
+        v = gl.inline_asm_elementwise(
+            DECODE, _CONSTRAINTS_ONES, [wb, ob, sb], dtype=DTYPE.value, is_pure=True, pack=8
+        )
+    else:
+        v = gl.inline_asm_elementwise(
+            DECODE, _CONSTRAINTS, [wb, sb], dtype=DTYPE.value, is_pure=True, pack=8
+        )
+    # value e = 4 s + 2 h + b of word c of block r
     v = gl.reshape(v, [NW, 2, 8, 4, 2, 2, 2, 2, 2])  # w, t, g, c, r // 2, r % 2, s, h, b
     v = gl.permute(v, [0, 1, 2, 5, 6, 7, 3, 8, 4])  # w, t, g, r % 2, s, h, c, b, r // 2
     return gl.split(gl.reshape(v, [16 * NW, 64, 2]))
@@ -155,18 +172,26 @@ def _scales(s_ptr, s_off, q, q_end, DL: gl.constexpr):
 
 
 @gluon.jit
-def _load_stage(j, x_desc, w_desc, x_smem, w_smem, bars, row0, wrow0, q0, n_iter):
-    """TMA copies of stage j (quad j, if it exists) into slot j % S: the weight words and the
+def _load_stage(
+    j, x_desc, w_desc, o_desc, x_smem, w_smem, o_smem, bars, row0, wrow0, q0, n_iter,
+    WPQ: gl.constexpr,
+):  # fmt: skip
+    """TMA copies of stage j (quad j, if it exists) into slot j % S: the weight words (the
+    first field group's, and the 1-bit words into `o_smem` where WPQ has them) and the
     activation tile's two halves (all BT rows: loading only the chunks that hold rows cost
     more in barriers than it saved, benchmarks/mxfp4-lab-log.md §17)."""
     S: gl.constexpr = w_smem.shape[0]
-    WPQ: gl.constexpr = w_smem.shape[2]
+    MW: gl.constexpr = w_smem.shape[2]
     BT: gl.constexpr = x_smem.shape[1]
     sj = j % S
     ok = j < n_iter
     bar = bars.index(sj)
     mbarrier.expect(bar, 128 * WPQ * 4 + BT * 128 * 2, pred=ok)
     tma.async_copy_global_to_shared(w_desc, [wrow0, (q0 + j) * WPQ], bar, w_smem.index(sj), pred=ok)
+    if WPQ != MW:
+        tma.async_copy_global_to_shared(
+            o_desc, [wrow0, (q0 + j) * WPQ + MW], bar, o_smem.index(sj), pred=ok
+        )
     for h in gl.static_range(2):
         tma.async_copy_global_to_shared(
             x_desc, [row0, (q0 + j) * 128 + 64 * h], bar, x_smem.index(2 * sj + h), pred=ok
@@ -177,11 +202,11 @@ def _load_stage(j, x_desc, w_desc, x_smem, w_smem, bars, row0, wrow0, q0, n_iter
 def _words(slot, NW: gl.constexpr, DL: gl.constexpr):
     """The thread's words of a stage's slot as ``[NW, 2 t, 8 g, 4 c, 4 r]`` (16-byte reads, no
     swizzle): word c of block r of its rows (16 words a row: 4-bit fields), or, with 8 words a
-    row (kbit K = 2: 2-bit fields, word j of block r at 4 j + r), word c // 2 shifted right by
-    16 (c % 2), so that the lane's 8 fields are its low half (lanes c, c + 1 read one word)."""
-    WPQ: gl.constexpr = slot.shape[1]
+    row (kbit K = 2, 3: 2-bit fields, word j of block r at 4 j + r), word c // 2 shifted right
+    by 16 (c % 2), so that the lane's 8 fields are its low half (lanes c, c + 1 read one word)."""
+    MW: gl.constexpr = slot.shape[1]
     WL: gl.constexpr = gl.SliceLayout(5, DL)
-    if WPQ == 16:
+    if MW == 16:
         view = slot._reinterpret(
             gl.int32, [NW, 2, 8, 4, 4], gl.SwizzledSharedLayout(1, 1, 1, order=[4, 3, 2, 1, 0])
         )
@@ -207,6 +232,34 @@ def _words(slot, NW: gl.constexpr, DL: gl.constexpr):
 
 
 @gluon.jit
+def _ones(slot, NW: gl.constexpr, DL: gl.constexpr):
+    """The 1-bit words of a stage's slot (``[128 rows, 4 blocks]``, kbit K = 3, 5) as ``[NW, 2
+    t, 8 g, 4 c, 4 r]``: lane c takes its rows' word of block r shifted right by 8 c, so that
+    the 1-bit fields of its inputs 8 c .. 8 c + 7 are the low byte (the four lanes of a row
+    read one word)."""
+    WL: gl.constexpr = gl.SliceLayout(5, DL)
+    view = slot._reinterpret(
+        gl.int32, [NW, 2, 8, 1, 1, 4], gl.SwizzledSharedLayout(1, 1, 1, order=[5, 4, 3, 2, 1, 0])
+    )
+    # lanes (j, half) of c = 2 j + half, as in `_words` with 8 words a row
+    HL: gl.constexpr = gl.BlockedLayout(
+        [1, 2, 1, 1, 1, 4], [1, 1, 8, 2, 2, 1], [NW, 1, 1, 1, 1, 1], [5, 4, 3, 2, 1, 0]
+    )
+    w = view.load(HL)
+    w = gl.broadcast(w, gl.full([NW, 2, 8, 2, 2, 4], 0, gl.int32, HL))[0]
+    j = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(
+        2, gl.SliceLayout(4, gl.SliceLayout(5, HL))))))  # fmt: skip
+    j = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(
+        gl.expand_dims(j, 0), 1), 2), 4), 5)  # fmt: skip
+    half = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(
+        2, gl.SliceLayout(3, gl.SliceLayout(5, HL))))))  # fmt: skip
+    half = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(
+        gl.expand_dims(half, 0), 1), 2), 3), 5)  # fmt: skip
+    w = w >> (8 * (2 * j + half))
+    return gl.convert_layout(gl.reshape(w, [NW, 2, 8, 4, 4]), WL)
+
+
+@gluon.jit
 def _chunk_mma(a0, a1, xs0, xs1, acc, j: gl.constexpr, CH: gl.constexpr):
     """Both halves of a stage on token rows ``j CH .. (j + 1) CH`` of the tile."""
     acc = warpgroup_mma(a0, xs0.slice(j * CH, CH).permute((1, 0)), acc, is_async=True)
@@ -215,9 +268,10 @@ def _chunk_mma(a0, a1, xs0, xs1, acc, j: gl.constexpr, CH: gl.constexpr):
 
 @gluon.jit
 def _stage(
-    i, acc0, acc1, acc2, acc3, sc, valid, x_desc, w_desc, x_smem, w_smem, bars, s_ptr, s_off,
-    row0, wrow0, q0, q_end, n_iter, NW: gl.constexpr, DL: gl.constexpr, A_L: gl.constexpr,
-    S: gl.constexpr, CH: gl.constexpr, NCH: gl.constexpr, DECODE: gl.constexpr,
+    i, acc0, acc1, acc2, acc3, sc, valid, x_desc, w_desc, o_desc, x_smem, w_smem, o_smem, bars,
+    s_ptr, s_off, row0, wrow0, q0, q_end, n_iter, NW: gl.constexpr, DL: gl.constexpr,
+    A_L: gl.constexpr, S: gl.constexpr, CH: gl.constexpr, NCH: gl.constexpr,
+    DECODE: gl.constexpr, WPQ: gl.constexpr,
 ):  # fmt: skip
     """Stage i: decode quad i's A (its scales `sc` were loaded a stage ahead) while stage i -
     1's wgmmas run, retire those, start stage i's on the token chunks that hold rows (`valid`
@@ -226,8 +280,13 @@ def _stage(
     s = i % S
     sc_next = _scales(s_ptr, s_off, i + 1, q_end, DL)
     mbarrier.wait(bars.index(s), (i // S) & 1)
+    ONES: gl.constexpr = w_smem.shape[2] != WPQ
     words = _words(w_smem.index(s), NW, DL)
-    a0, a1 = _decode_quad(words, sc, DL, NW, DECODE, x_desc.dtype)
+    if ONES:
+        ones = _ones(o_smem.index(s), NW, DL)
+    else:
+        ones = words
+    a0, a1 = _decode_quad(words, ones, sc, DL, NW, DECODE, x_desc.dtype, ONES)
     a0 = gl.convert_layout(a0, A_L)
     a1 = gl.convert_layout(a1, A_L)
     # this warpgroup's wgmmas of stage i - 1 retire (a wait for all: the number of groups in
@@ -248,7 +307,10 @@ def _stage(
             acc3 = _chunk_mma(a0, a1, xs0, xs1, acc3, 3, CH)
     # every warpgroup has retired stage i - 1's wgmmas and holds its words in registers
     gl.thread_barrier()
-    _load_stage(i + S - 1, x_desc, w_desc, x_smem, w_smem, bars, row0, wrow0, q0, n_iter)
+    _load_stage(
+        i + S - 1, x_desc, w_desc, o_desc, x_smem, w_smem, o_smem, bars, row0, wrow0, q0,
+        n_iter, WPQ,
+    )  # fmt: skip
     return acc0, acc1, acc2, acc3, sc_next
 
 
@@ -306,7 +368,8 @@ def _store_tile(
 @gluon.jit
 def mxfp4_wgmma_kernel(
     x_desc,  # TMA descriptor of x [R, K] bf16 / fp16 in `input_order`, block [BT, 64]
-    w_desc,  # TMA descriptor of qweight viewed [E * N_pad, WPR] int32, block [128, WPQ]
+    w_desc,  # TMA descriptor of qweight viewed [E * N_pad, WPR] int32, block [128, MW]
+    o_desc,  # the same in blocks [128, 4] (the 1-bit words of kbit K = 3, 5; else unused)
     s_ptr,  # scales viewed int32 [E * N_pad, WPR / WPQ] (4 scale bytes per quad)
     bias_ptr,
     out_ptr,  # [R, N], x's dtype
@@ -331,7 +394,7 @@ def mxfp4_wgmma_kernel(
     HAS_BIAS: gl.constexpr,
     DECODE: gl.constexpr,  # inline PTX of one word and its scale byte (see E2M1_DECODE)
     DENSE: gl.constexpr,  # one weight, block b = rows b BT .. (no plan)
-    WPQ: gl.constexpr,  # words per row and quad: 16 (4-bit fields), 8 (kbit K = 2)
+    WPQ: gl.constexpr,  # words per row and quad: 16 (4-bit fields), kbit K = 2, 3, 5: 8, 12, 20
     SPLIT: gl.constexpr,  # CTAs per output tile along K (grid axis 2)
 ):
     NW: gl.constexpr = 8
@@ -363,7 +426,12 @@ def mxfp4_wgmma_kernel(
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
 
     x_smem = gl.allocate_shared_memory(x_desc.dtype, [2 * S, BT, 64], x_desc.layout)
-    w_smem = gl.allocate_shared_memory(gl.int32, [S, 128, WPQ], w_desc.layout)
+    MW: gl.constexpr = 16 if WPQ >= 16 else 8  # `MAIN_WORDS`
+    w_smem = gl.allocate_shared_memory(gl.int32, [S, 128, MW], w_desc.layout)
+    if WPQ != MW:
+        o_smem = gl.allocate_shared_memory(gl.int32, [S, 128, 4], o_desc.layout)
+    else:
+        o_smem = w_smem
     bars = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
     for b in gl.static_range(S):
         mbarrier.init(bars.index(b), count=1)
@@ -385,24 +453,30 @@ def mxfp4_wgmma_kernel(
 
     valid = gl.minimum(row_end - row0, BT)
     for b in gl.static_range(S - 1):
-        _load_stage(b, x_desc, w_desc, x_smem, w_smem, bars, row0, wrow0, q0, n_iter)
+        _load_stage(
+            b, x_desc, w_desc, o_desc, x_smem, w_smem, o_smem, bars, row0, wrow0, q0, n_iter,
+            WPQ,
+        )  # fmt: skip
 
     acc0 = warpgroup_mma_init(gl.zeros([128, CH], gl.float32, MMA))
     acc1, acc2, acc3 = acc0, acc0, acc0  # chunks past NCH stay unused
     sc = _scales(s_ptr, s_off, 0, q_end, DL)
     for i in range(0, n_iter - 1, 2):
         acc0, acc1, acc2, acc3, sc = _stage(
-            i, acc0, acc1, acc2, acc3, sc, valid, x_desc, w_desc, x_smem, w_smem, bars, s_ptr,
-            s_off, row0, wrow0, q0, q_end, n_iter, NW, DL, A_L, S, CH, NCH, DECODE,
+            i, acc0, acc1, acc2, acc3, sc, valid, x_desc, w_desc, o_desc, x_smem, w_smem, o_smem,
+            bars, s_ptr, s_off, row0, wrow0, q0, q_end, n_iter, NW, DL, A_L, S, CH, NCH, DECODE,
+            WPQ,
         )  # fmt: skip
         acc0, acc1, acc2, acc3, sc = _stage(
-            i + 1, acc0, acc1, acc2, acc3, sc, valid, x_desc, w_desc, x_smem, w_smem, bars,
-            s_ptr, s_off, row0, wrow0, q0, q_end, n_iter, NW, DL, A_L, S, CH, NCH, DECODE,
+            i + 1, acc0, acc1, acc2, acc3, sc, valid, x_desc, w_desc, o_desc, x_smem, w_smem,
+            o_smem, bars, s_ptr, s_off, row0, wrow0, q0, q_end, n_iter, NW, DL, A_L, S, CH, NCH,
+            DECODE, WPQ,
         )  # fmt: skip
     if ODD:
         acc0, acc1, acc2, acc3, sc = _stage(
-            n_iter - 1, acc0, acc1, acc2, acc3, sc, valid, x_desc, w_desc, x_smem, w_smem,
-            bars, s_ptr, s_off, row0, wrow0, q0, q_end, n_iter, NW, DL, A_L, S, CH, NCH, DECODE,
+            n_iter - 1, acc0, acc1, acc2, acc3, sc, valid, x_desc, w_desc, o_desc, x_smem,
+            w_smem, o_smem, bars, s_ptr, s_off, row0, wrow0, q0, q_end, n_iter, NW, DL, A_L, S,
+            CH, NCH, DECODE, WPQ,
         )  # fmt: skip
     acc0, acc1, acc2, acc3 = warpgroup_mma_wait(0, deps=(acc0, acc1, acc2, acc3))
     for b in gl.static_range(S):
@@ -479,8 +553,10 @@ def dense_gemm(
     qweight for the life of the weight, which keeps its TMA descriptor (built once)."""
     if decode == E2M1_DECODE and x.dtype != torch.bfloat16:
         raise ValueError(f"MXFP4 wgmma: activations must be bf16, got {x.dtype}")
-    if words_per_block not in (2, 4):
-        raise ValueError(f"4-bit wgmma: words_per_block={words_per_block}; supported: 2, 4")
+    if 4 * words_per_block not in MAIN_WORDS:
+        raise ValueError(
+            f"4-bit wgmma: words_per_block={words_per_block}; supported: 2, 3, 4, 5 (kbit K)"
+        )
     return _launch(
         x, qweight, scales, n, block_tokens, stages, chunk, decode, bias, None, 1, owner,
         4 * words_per_block,
@@ -524,7 +600,10 @@ def _launch(
         return out
     x_desc = TensorDescriptor.from_tensor(x, [bt, 64], _x_layout(bt, x.dtype))
     # the quad's words, 128 rows (the weights viewed [E * N_pad, WPR])
-    w_desc = words_descriptor(qweight.view(num_experts * n_pad, wpr), [128, wpq], owner)
+    words = qweight.view(num_experts * n_pad, wpr)
+    mw = MAIN_WORDS[wpq]
+    w_desc = words_descriptor(words, [128, mw], owner)
+    o_desc = words_descriptor(words, [128, 4], owner) if wpq != mw else w_desc
     n_quads = wpr // wpq
     blocks = triton.cdiv(rows, bt) if plan is None else plan.num_blocks
     n_tiles = triton.cdiv(n, BLOCK_N)
@@ -537,7 +616,7 @@ def _launch(
     # (a dense launch passes `out` for the plan's pointers: never read)
     ptrs = (out, out, out) if plan is None else (plan.block_expert, plan.block_row, plan.m_indptr)
     mxfp4_wgmma_kernel[(n_tiles, blocks, split)](
-        x_desc, w_desc, scales.view(torch.int32), bias if bias is not None else out, out, ws,
+        x_desc, w_desc, o_desc, scales.view(torch.int32), bias if bias is not None else out, out, ws,
         cnt, *ptrs, rows, n, n_pad, n_quads, n_iter, num_experts,
         bias.stride(0) if bias is not None and plan is not None else 0, out.stride(0),
         BT=bt, CH=chunk, S=stages, ODD=n_iter % 2 == 1, HAS_BIAS=bias is not None,

@@ -131,3 +131,31 @@ def test_dummy_values_do_not_depend_on_the_gpu(tmp_path):
     first, second = state(unprocessed(folder, "cuda:0")), state(unprocessed(folder, "cuda:1"))
     for key, value in first.items():
         assert torch.equal(value.cpu(), second[key].cpu()), key
+
+
+def test_dummy_experts_bf16_and_mxfp4_have_one_scale(tmp_path):
+    """A bench's bf16-expert twin draws its experts with the rms of the MXFP4 model's dummy
+    experts (at +-1e-3 they vanish and greedy dummy sequences collapse onto a few tokens, which
+    routed GPT-OSS-20B's twin to a quarter of the experts its MXFP4 model read)."""
+    from quantfw.bench.configs import read_hf_config, write_config_folder
+    from quantfw.kernels.mxfp4 import format as mxfp4_format
+
+    config, _ = read_hf_config("gpt-oss-20b")
+    tiny = dict(config, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300,
+                num_local_experts=4, layer_types=["full_attention"])  # fmt: skip
+    bf16 = unprocessed(write_config_folder(tiny, str(tmp_path / "bf16"), None))
+    mx = unprocessed(write_config_folder(tiny, str(tmp_path / "mx"), config["quantization_config"]))
+    dense_experts = bf16.model.layers[0].mlp.experts
+    mx_experts = mx.model.layers[0].mlp.experts
+    for part in ("w13", "w2"):
+        dense = getattr(dense_experts, f"{part}_weight").float()
+        deq = mxfp4_format.dequantize(
+            getattr(mx_experts, f"{part}_blocks"),
+            getattr(mx_experts, f"{part}_scales"),
+            torch.float32,
+        )
+        rms_dense, rms_mx = dense.pow(2).mean().sqrt(), deq.pow(2).mean().sqrt()
+        assert abs(rms_dense / rms_mx - 1) < 0.05, (part, float(rms_dense), float(rms_mx))
+    # the other dense weights keep the loader's range
+    assert float(bf16.model.layers[0].self_attn.o_proj.weight.abs().max()) <= 1e-3

@@ -10,6 +10,18 @@ from torch import nn
 from quantfw.kernels import moe
 from quantfw.layers.moe.base import FusedMoEMethodBase, create_expert_biases, moe_param
 
+#: the dummy loader draws these experts from U(-DUMMY_EXPERT_RANGE, DUMMY_EXPERT_RANGE), the rms
+#: (0.0264) of the MXFP4 method's dummy experts (E2M1 codes under scales 2**-9 .. 2**-6), so a
+#: bench's bf16-expert twin routes a batch as its MXFP4 model does. At the loader's +-1e-3 the
+#: expert outputs vanish and a dummy model's greedy sequences collapse onto a few tokens: at
+#: batch 16 GPT-OSS-20B's bf16 experts were read 6.6 of 32 a layer, its MXFP4 model's 27.2
+#: (benchmarks/mxfp4-lab-log.md §24)
+DUMMY_EXPERT_RANGE = 0.0456
+
+
+def _dummy_experts(tensor: torch.Tensor, generator: torch.Generator) -> None:
+    tensor.uniform_(-DUMMY_EXPERT_RANGE, DUMMY_EXPERT_RANGE, generator=generator)
+
 
 class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
     def create_weights(  # type: ignore[override]
@@ -28,6 +40,7 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
             torch.empty(e, 2 * i, h, dtype=params_dtype),
             moe_dim=1,
             fused=True,
+            dummy_init=_dummy_experts,
             **extra,
         )
         moe_param(
@@ -36,6 +49,7 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
             torch.empty(e, h, i, dtype=params_dtype),
             moe_dim=2,
             fused=False,
+            dummy_init=_dummy_experts,
             **extra,
         )
         if layer.has_bias:

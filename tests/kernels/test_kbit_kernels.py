@@ -290,13 +290,14 @@ def test_mma_kernel_compiles_for_sm90_without_a_gpu(bits, tm, copies, mxfp4, wk,
         assert len(re.findall(r"\bld\.global", ptx[:wait])) >= (18 if bits % 2 else 10)
 
 
-@pytest.mark.parametrize("grouped", [False, True])
-def test_mma_kernel_tma_staging_compiles_for_sm90_without_a_gpu(grouped):
+@pytest.mark.parametrize("bits,grouped", [(4, False), (4, True), (2, False)])
+def test_mma_kernel_tma_staging_compiles_for_sm90_without_a_gpu(bits, grouped):
     """With ``TMA`` (sm_90) the weight words come through one shared-memory slot of 4 boxes
-    [64 rows, 16 words] (16 KB) that TMA fills with the CTA's next iteration: no 16-byte
-    register loads of weights are left, the slot sits after the 32 KB table (which the lookups
-    address at ``global_smem``), one mbarrier; a dense launch issues its first copies before
-    the PDL wait, a grouped one after it (its expert comes from the sort)."""
+    [64 rows, a quad's 4 K words] (16 KB at K = 4, 8 KB at K = 2) that TMA fills with the
+    CTA's next iteration: no 16-byte register loads of weights are left, the slot sits after
+    the 32 KB table (which the lookups address at ``global_smem``), one mbarrier; a dense
+    launch issues its first copies before the PDL wait, a grouped one after it (its expert
+    comes from the sort)."""
     pytest.importorskip("triton")
     from aot import compile_for_sm90
     from triton.experimental.gluon import language as gl
@@ -304,14 +305,15 @@ def test_mma_kernel_tma_staging_compiles_for_sm90_without_a_gpu(grouped):
     from quantfw.kernels.kbit.triton import mma as KM
 
     slot = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    signature = {**_MMA_SIGNATURE, "w_desc": f"tensordesc<i32[64, 16],{slot!r}>"}
-    consts = dict(W=4, CH=4, TM=8, SPLIT=1 if grouped else 2, COPIES=32, BITS=4, PIPE=False,
+    signature = {**_MMA_SIGNATURE, "w_desc": f"tensordesc<i32[64, {4 * bits}],{slot!r}>"}
+    copies = 32 if bits == 4 else 16  # the defaults: a 32 KB table either way
+    consts = dict(W=4, CH=4, TM=8, SPLIT=1 if grouped else 2, COPIES=copies, BITS=bits, PIPE=False,
                   MASK_N=True, MASK_K=True, HAS_BIAS=True, IS_BF16=grouped, UE8M0=grouped,
                   GROUPED=grouped, GATHER=grouped, PDL=True, WK=4, ACT=2 if grouped else 0,
                   LATE_RELEASE=False, TMA=True)  # fmt: skip
     kernel = compile_for_sm90(KM.kbit_mma_kernel, signature, consts, num_warps=4,
                               launch_pdl=True)  # fmt: skip
-    assert kernel.metadata.shared == 32768 + 16384 + 8
+    assert kernel.metadata.shared == 32768 + 4 * 64 * 4 * bits * 4 + 8
     ptx = kernel.asm["ptx"]
     first = ptx.index("cp.async.bulk.tensor.2d")
     # 4 boxes at each of: the first copies, the loop's refill, the last chunk's (predicated off)
@@ -322,16 +324,18 @@ def test_mma_kernel_tma_staging_compiles_for_sm90_without_a_gpu(grouped):
 
 
 def test_tma_staging_rule(monkeypatch):
-    """`mma.tma_staging`: sm_90+, K = 4, 8-token tiles, one-quad chunks, all warps on one
-    column block and a table larger than the slot (32 copies)."""
+    """`mma.tma_staging`: sm_90+, K = 2 or 4, 8-token tiles, one-quad chunks, all warps on one
+    column block and a table larger than the slot (K = 4: 32 copies; K = 2: 8 or more)."""
     pytest.importorskip("triton")
     from quantfw.kernels.kbit.triton import mma as KM
 
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(KM, "cuda_capability", lambda device: (9, 0))
     assert KM.tma_staging(cuda, 4, 8, 4, 4, 4, 32)
-    for args in [(2, 8, 4, 4, 4, 16), (5, 8, 4, 4, 4, 8), (4, 16, 4, 4, 4, 32),
-                 (4, 8, 4, 1, 4, 32), (4, 8, 4, 4, 8, 32), (4, 8, 4, 4, 4, 16)]:  # fmt: skip
+    assert KM.tma_staging(cuda, 2, 8, 4, 4, 4, 16) and KM.tma_staging(cuda, 2, 8, 4, 4, 4, 8)
+    for args in [(3, 8, 4, 4, 4, 32), (5, 8, 4, 4, 4, 8), (4, 16, 4, 4, 4, 32),
+                 (4, 8, 4, 1, 4, 32), (4, 8, 4, 4, 8, 32), (4, 8, 4, 4, 4, 16),
+                 (2, 16, 4, 4, 4, 16), (2, 8, 4, 4, 4, 4)]:  # fmt: skip
         assert not KM.tma_staging(cuda, *args), args
     assert not KM.tma_staging(torch.device("cpu"), 4, 8, 4, 4, 4, 32)
     monkeypatch.setattr(KM, "cuda_capability", lambda device: (8, 9))
@@ -530,36 +534,39 @@ def test_gpu_configs_match_reference(bits, N, K, dtype):
 
 
 @gpu
+@pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_tma_staging_matches_register_loads(dtype):
+def test_gpu_tma_staging_matches_register_loads(dtype, bits):
     """The TMA-staged weight words (sm_90) give the register-loaded kernel's sums: bit for
     bit where no split across CTAs reorders them (each column block's K in one CTA), else
     within tolerance of the float64 reference; M = 1, 5, 8, bias, N past the last block."""
     from quantfw.kernels.kbit.triton import dispatch
     from quantfw.kernels.kbit.triton import mma as KM
 
-    if not KM.tma_staging(torch.device("cuda"), 4, 8, 4, 4, 4, 32):
+    copies = 32 if bits == 4 else 16
+    if not KM.tma_staging(torch.device("cuda"), bits, 8, 4, 4, 4, copies):
         pytest.skip("TMA staging needs sm_90+")
     gen = torch.Generator(device="cuda").manual_seed(7)
     for N, K in ((24576, 512), (1000, 4160)):  # 384 column blocks: no split; 16: split
-        planes, absmax, cb, ref = random_weight(N, K, 4, seed=N, device="cuda")
+        planes, absmax, cb, ref = random_weight(N, K, bits, seed=N, device="cuda")
         w = kbit.repack_weight(planes, absmax, cb)
         lut = dispatch._lookup_table(w, dtype)
         for M in (1, 5, 8):
             x = torch.randn(M, K, device="cuda", generator=gen).to(dtype)
             bias = torch.randn(N, device="cuda", generator=gen).to(dtype)
-            opts = dict(ctas_per_sm=3, copies=32)
+            opts = dict(ctas_per_sm=3, copies=copies)
             runs = [
                 KM.kbit_mma_matmul(
-                    x, w.qweight, w.scales, lut, N, 4, bias, **opts, stage_by_tma=on
+                    x, w.qweight, w.scales, lut, N, bits, bias, **opts, stage_by_tma=on
                 )  # fmt: skip
                 for on in (False, True)
             ]
             want = x.double() @ ref.double().t() + bias.double()
-            assert torch.isfinite(runs[1]).all(), f"N={N} K={K} M={M} {dtype}"
-            assert _rel(runs[1], want) < TOL[dtype], f"N={N} K={K} M={M} {dtype}"
+            what = f"bits={bits} N={N} K={K} M={M} {dtype}"
+            assert torch.isfinite(runs[1]).all(), what
+            assert _rel(runs[1], want) < TOL[dtype], what
             if N == 24576:
-                assert torch.equal(runs[0], runs[1]), f"N={N} K={K} M={M} {dtype}"
+                assert torch.equal(runs[0], runs[1]), what
 
 
 @gpu

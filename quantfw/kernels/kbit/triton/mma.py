@@ -39,10 +39,11 @@ kernel's self-cleaning workspace.
 
 Weight words reach the registers one of two ways. Register loads: a warp loads its next
 chunk's words after the chunk's math, and waits for them at the next chunk's first lookup.
-TMA staging (`tma_staging`: sm_90, K = 4 and MXFP4, 8-token tiles): the CTA's words of one
-iteration (WK boxes of [64 rows, 16 words], 16 KB) land in a shared-memory slot on an
-mbarrier; the warps copy them to registers, a CTA barrier frees the slot, and TMA refills it
-with the next iteration while this one computes (`_tma_words`).
+TMA staging (`tma_staging`: sm_90, K = 2, 4 and MXFP4, 8-token tiles): the CTA's words of one
+iteration (WK boxes of [64 rows, a quad's 4 K words], 8 or 16 KB) land in a shared-memory slot
+on an mbarrier; the warps copy them to registers (at K = 2 lanes c and c + 1 read the same
+word, as their register loads do), a CTA barrier frees the slot, and TMA refills it with the
+next iteration while this one computes (`_tma_words`).
 
 MXFP4 blocks are kbit K = 4 blocks byte for byte (16 bytes, element 2i in the low nibble of
 byte i), so `mxfp4.layout` only pads and quad-interleaves them, and the table holds the E2M1
@@ -322,13 +323,14 @@ def _gated_epilogue(
 @gluon.jit
 def _tma_stage(it, w_desc, w_slot, bar, wrow, sp, n_iter, SPLIT: gl.constexpr, WK: gl.constexpr):
     """TMA copies of iteration ``it``'s weight words (if it exists) into the CTA's slot: one
-    [64 rows, 16 words] box per warp ``ks``, its quad ``(it SPLIT + sp) WK + ks`` (zeros past
-    K), all landing on ``bar``."""
+    [64 rows, QW words] box (a quad: QW = 4 K) per warp ``ks``, its quad ``(it SPLIT + sp) WK +
+    ks`` (zeros past K), all landing on ``bar``."""
+    QW: gl.constexpr = w_slot.shape[2]
     ok = it < n_iter
-    mbarrier.expect(bar, WK * 64 * 64, pred=ok)
+    mbarrier.expect(bar, WK * 64 * QW * 4, pred=ok)
     for ks in gl.static_range(WK):
         q = (it * SPLIT + sp) * WK + ks
-        tma.async_copy_global_to_shared(w_desc, [wrow, q * 16], bar, w_slot.index(ks), pred=ok)
+        tma.async_copy_global_to_shared(w_desc, [wrow, q * QW], bar, w_slot.index(ks), pred=ok)
 
 
 @gluon.jit
@@ -336,19 +338,37 @@ def _tma_words(
     it, w_desc, w_slot, bar, wrow, sp, n_iter, L3: gl.constexpr, SPLIT: gl.constexpr,
     WK: gl.constexpr,
 ):  # fmt: skip
-    """Iteration ``it``'s weight bundles (as `_load_weights` returns them: K = 4, one quad) out
-    of the slot once its copies have landed; the slot is then refilled with iteration it + 1,
-    whose copies run during this iteration's math."""
+    """Iteration ``it``'s weight bundles (as `_load_weights` returns them: K = 2 or 4, one quad)
+    out of the slot once its copies have landed; the slot is then refilled with iteration it +
+    1, whose copies run during this iteration's math."""
+    QW: gl.constexpr = w_slot.shape[2]
     mbarrier.wait(bar, it & 1)
-    # the slot as [warp, bundle jt, lane 4 g + c, block r]: row 8 jt + g, word c of box ks
-    words = w_slot._reinterpret(
-        gl.int32, [WK, 8, 32, 4], gl.SwizzledSharedLayout(1, 1, 1, order=[3, 2, 1, 0])
-    )
-    L4: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 1, 32, 1], [WK, 1, 1, 1], [3, 2, 1, 0])
     ws = ()
-    for jt in gl.static_range(8):
-        b = words.slice(jt, 1, dim=1).load(L4)
-        ws = ws + (gl.convert_layout(gl.reshape(b, [WK, 32, 4]), L3),)
+    if QW == 16:
+        # the slot as [warp, bundle jt, lane 4 g + c, block r]: row 8 jt + g, word c of box ks
+        words = w_slot._reinterpret(
+            gl.int32, [WK, 8, 32, 4], gl.SwizzledSharedLayout(1, 1, 1, order=[3, 2, 1, 0])
+        )
+        L4: gl.constexpr = gl.BlockedLayout(
+            [1, 1, 1, 4], [1, 1, 32, 1], [WK, 1, 1, 1], [3, 2, 1, 0]
+        )
+        for jt in gl.static_range(8):
+            b = words.slice(jt, 1, dim=1).load(L4)
+            ws = ws + (gl.convert_layout(gl.reshape(b, [WK, 32, 4]), L3),)
+    else:
+        # K = 2: [warp, bundle jt, g, word j, half, block r]: lanes 4 g + 2 j + (0, 1) both
+        # read word j of row 8 jt + g (a broadcast read), as their register loads do
+        words = w_slot._reinterpret(
+            gl.int32, [WK, 8, 8, 2, 1, 4],
+            gl.SwizzledSharedLayout(1, 1, 1, order=[5, 4, 3, 2, 1, 0]),
+        )  # fmt: skip
+        L6: gl.constexpr = gl.BlockedLayout(
+            [1, 1, 1, 1, 1, 4], [1, 1, 8, 2, 2, 1], [WK, 1, 1, 1, 1, 1], [5, 4, 3, 2, 1, 0]
+        )
+        for jt in gl.static_range(8):
+            b = words.slice(jt, 1, dim=1).load(L6)
+            b = gl.broadcast(b, gl.full([WK, 1, 8, 2, 2, 4], 0, gl.int32, L6))[0]
+            ws = ws + (gl.convert_layout(gl.reshape(b, [WK, 32, 4]), L3),)
     gl.thread_barrier()  # every warp holds its words: the slot may be refilled
     _tma_stage(it + 1, w_desc, w_slot, bar, wrow, sp, n_iter, SPLIT, WK)
     return ws
@@ -394,7 +414,7 @@ def kbit_mma_kernel(
     stride_be,
     act_alpha,  # ACT == 2: GPT-OSS's SwiGLU alpha and clamp limit
     act_limit,
-    w_desc,  # TMA: descriptor of qweight as [(E *) N_pad, KBP * 4] int32, box [64, 16]
+    w_desc,  # TMA: descriptor of qweight as [(E *) N_pad, KBP * BITS] int32, box [64, 4 BITS]
     W: gl.constexpr,  # warps per CTA, each on one 64-column block
     CH: gl.constexpr,  # blocks per chunk (a multiple of 4)
     TM: gl.constexpr,  # tokens per CTA tile: 8 or 16
@@ -481,9 +501,13 @@ def kbit_mma_kernel(
     # the first chunk's loads go out before the table is built; with PDL x waits for the
     # previous kernel to finish, after the table
     if TMA:  # one slot of WK boxes: an iteration's words, copied during the previous one's math
-        gl.static_assert(BITS == 4 and CH == 4 and WK == W, "TMA staging: K = 4, CH 4, WK = W")
-        gl.static_assert(WK * 4096 < ROWS * COPIES * EW * 4, "TMA slot must be below the table")
-        w_slot = gl.allocate_shared_memory(gl.int32, [WK, 64, 16], w_desc.layout)
+        gl.static_assert(
+            (BITS == 4 or BITS == 2) and CH == 4 and WK == W, "TMA staging: K = 2, 4, CH 4, WK = W"
+        )
+        gl.static_assert(
+            WK * 64 * 4 * BITS * 4 < ROWS * COPIES * EW * 4, "TMA slot must be below the table"
+        )
+        w_slot = gl.allocate_shared_memory(gl.int32, [WK, 64, 4 * BITS], w_desc.layout)
         bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(bar, count=1)
         wrow = gl.program_id(0) * 64
@@ -636,13 +660,17 @@ def plan(
 def tma_staging(
     device: torch.device, bits: int, tm: int, warps: int, wk: int, chunk: int, copies: int
 ) -> bool:
-    """Whether a launch stages its weight words by TMA (`_tma_words`): on sm_90+ for K = 4 (and
-    MXFP4) one-quad chunks with every warp on one column block, 8-token tiles (measured faster
-    at one token, slower for 16-token tiles: benchmarks/kbit-lab-log.md §19), and a table (32
-    copies) larger than the 16 KB slot, so that it stays at the start of shared memory."""
+    """Whether a launch stages its weight words by TMA (`_tma_words`): on sm_90+ for K = 2, 4
+    (and MXFP4) one-quad chunks with every warp on one column block, 8-token tiles (measured
+    faster at one token, slower for 16-token tiles: benchmarks/kbit-lab-log.md §19, §23), and a
+    table larger than the slot (K = 4: 32 copies against 16 KB; K = 2: 16 copies of two-word
+    entries against 8 KB), so that it stays at the start of shared memory."""
     if device.type != "cuda" or cuda_capability(device) < (9, 0):
         return False
-    return bits == 4 and tm == 8 and chunk == 4 and wk == warps and copies * 1024 > 4096 * wk
+    if bits not in (2, 4) or tm != 8 or chunk != 4 or wk != warps:
+        return False
+    entry_bytes = 8 if bits == 2 else 4
+    return _table_entries(bits) * copies * entry_bytes > wk * 64 * 4 * bits * 4
 
 
 def _launch(
@@ -692,8 +720,8 @@ def _launch(
     if stage_by_tma is None:
         stage_by_tma = tma_staging(x2.device, bits, tm, warps, wk, chunk, copies)
     w_desc = None
-    if stage_by_tma:  # a warp's box: 64 rows, a quad's 16 words
-        w_desc = words_descriptor(qweight.view(-1, qweight.shape[-1]), [64, 16], owner)
+    if stage_by_tma:  # a warp's box: 64 rows, a quad's 4 K words
+        w_desc = words_descriptor(qweight.view(-1, qweight.shape[-1]), [64, 4 * bits], owner)
     kbit_mma_kernel[grid](
         x2.view(torch.int32), qweight, sw, lut, bias if has_bias else out, out, ws, cnt,
         block_expert, block_row, m_indptr, gather if gather is not None else out,

@@ -261,7 +261,7 @@ def test_mma_kernel_compiles_for_sm90_without_a_gpu(bits, tm, copies, mxfp4, wk,
     consts = dict(W=4, CH=4, TM=tm, SPLIT=1 if act else 2, COPIES=copies, BITS=bits,
                   PIPE=False, MASK_N=True, MASK_K=True, HAS_BIAS=True, IS_BF16=bits == 2,
                   UE8M0=mxfp4, GROUPED=mxfp4, GATHER=mxfp4, PDL=True, WK=wk, ACT=act,
-                  LATE_RELEASE=late, TMA=False, w_desc=None)  # fmt: skip
+                  LATE_RELEASE=late, TMA=False, w_desc=None, o_desc=None)  # fmt: skip
     kernel = compile_for_sm90(KM.kbit_mma_kernel, _MMA_SIGNATURE, consts, num_warps=4,
                               launch_pdl=True)  # fmt: skip
     entries = {2: 256, 3: 64, 4: 256, 5: 1024}[bits]
@@ -290,14 +290,17 @@ def test_mma_kernel_compiles_for_sm90_without_a_gpu(bits, tm, copies, mxfp4, wk,
         assert len(re.findall(r"\bld\.global", ptx[:wait])) >= (18 if bits % 2 else 10)
 
 
-@pytest.mark.parametrize("bits,grouped", [(4, False), (4, True), (2, False)])
+@pytest.mark.parametrize(
+    "bits,grouped", [(4, False), (4, True), (2, False), (3, False), (5, False)]
+)
 def test_mma_kernel_tma_staging_compiles_for_sm90_without_a_gpu(bits, grouped):
-    """With ``TMA`` (sm_90) the weight words come through one shared-memory slot of 4 boxes
-    [64 rows, a quad's 4 K words] (16 KB at K = 4, 8 KB at K = 2) that TMA fills with the
-    CTA's next iteration: no 16-byte register loads of weights are left, the slot sits after
-    the 32 KB table (which the lookups address at ``global_smem``), one mbarrier; a dense
-    launch issues its first copies before the PDL wait, a grouped one after it (its expert
-    comes from the sort)."""
+    """With ``TMA`` (sm_90) the weight words come through shared-memory slots that TMA fills
+    with the CTA's next iteration: 4 boxes [64 rows, a quad's field words] (16 words a row at
+    K = 4, 5, 8 at K = 2, 3) and at K = 3, 5 4 boxes [64, 4] of 1-bit words; no 16-byte
+    register loads of weights are left, the slots sit after the table (which the lookups
+    address at ``global_smem``; K = 3's padded to 16 KB), one mbarrier; a dense launch issues
+    its first copies before the PDL wait, a grouped one after it (its expert comes from the
+    sort)."""
     pytest.importorskip("triton")
     from aot import compile_for_sm90
     from triton.experimental.gluon import language as gl
@@ -305,27 +308,32 @@ def test_mma_kernel_tma_staging_compiles_for_sm90_without_a_gpu(bits, grouped):
     from quantfw.kernels.kbit.triton import mma as KM
 
     slot = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    signature = {**_MMA_SIGNATURE, "w_desc": f"tensordesc<i32[64, {4 * bits}],{slot!r}>"}
-    copies = 32 if bits == 4 else 16  # the defaults: a 32 KB table either way
+    mw = 16 if bits >= 4 else 8
+    signature = {**_MMA_SIGNATURE, "w_desc": f"tensordesc<i32[64, {mw}],{slot!r}>",
+                 "o_desc": f"tensordesc<i32[64, 4],{slot!r}>"}  # fmt: skip
+    copies = {2: 16, 3: 32, 4: 32, 5: 8}[bits]  # the defaults
+    table = {2: 32768, 3: 16384, 4: 32768, 5: 32768}[bits]  # K = 3: 64 entries padded to 128
     consts = dict(W=4, CH=4, TM=8, SPLIT=1 if grouped else 2, COPIES=copies, BITS=bits, PIPE=False,
                   MASK_N=True, MASK_K=True, HAS_BIAS=True, IS_BF16=grouped, UE8M0=grouped,
                   GROUPED=grouped, GATHER=grouped, PDL=True, WK=4, ACT=2 if grouped else 0,
                   LATE_RELEASE=False, TMA=True)  # fmt: skip
     kernel = compile_for_sm90(KM.kbit_mma_kernel, signature, consts, num_warps=4,
                               launch_pdl=True)  # fmt: skip
-    assert kernel.metadata.shared == 32768 + 4 * 64 * 4 * bits * 4 + 8
+    assert kernel.metadata.shared == table + 4 * 64 * 4 * bits * 4 + 8
     ptx = kernel.asm["ptx"]
     first = ptx.index("cp.async.bulk.tensor.2d")
-    # 4 boxes at each of: the first copies, the loop's refill, the last chunk's (predicated off)
-    assert ptx.count("cp.async.bulk.tensor.2d") == 12
-    assert re.search(r"add\.s32\s+%r\d+, %r\d+, 32768;", ptx[:first])  # slot after the table
+    # 4 boxes (8 at K = 3, 5) at each of: the first copies, the loop's refill, the last
+    # chunk's (predicated off)
+    assert ptx.count("cp.async.bulk.tensor.2d") == 12 * (1 + bits % 2)
+    assert re.search(rf"add\.s32\s+%r\d+, %r\d+, {table};", ptx[:first])  # slot after the table
     assert "mbarrier.try_wait" in ptx and not re.search(r"ld\.global[.\w]*\.v4", ptx)
     assert (first < ptx.index("griddepcontrol.wait")) != grouped
 
 
 def test_tma_staging_rule(monkeypatch):
-    """`mma.tma_staging`: sm_90+, K = 2 or 4, 8-token tiles, one-quad chunks, all warps on one
-    column block and a table larger than the slot (K = 4: 32 copies; K = 2: 8 or more)."""
+    """`mma.tma_staging`: sm_90+, 8-token tiles, one-quad chunks, all warps on one column
+    block; K = 5, and K = 2, 4 with a table larger than the slot (K = 4: 32 copies; K = 2: 8
+    or more); not K = 3 (measured slower)."""
     pytest.importorskip("triton")
     from quantfw.kernels.kbit.triton import mma as KM
 
@@ -333,7 +341,8 @@ def test_tma_staging_rule(monkeypatch):
     monkeypatch.setattr(KM, "cuda_capability", lambda device: (9, 0))
     assert KM.tma_staging(cuda, 4, 8, 4, 4, 4, 32)
     assert KM.tma_staging(cuda, 2, 8, 4, 4, 4, 16) and KM.tma_staging(cuda, 2, 8, 4, 4, 4, 8)
-    for args in [(3, 8, 4, 4, 4, 32), (5, 8, 4, 4, 4, 8), (4, 16, 4, 4, 4, 32),
+    assert KM.tma_staging(cuda, 5, 8, 4, 4, 4, 8)
+    for args in [(3, 8, 4, 4, 4, 32), (5, 8, 4, 2, 4, 8), (4, 16, 4, 4, 4, 32),
                  (4, 8, 4, 1, 4, 32), (4, 8, 4, 4, 8, 32), (4, 8, 4, 4, 4, 16),
                  (2, 16, 4, 4, 4, 16), (2, 8, 4, 4, 4, 4)]:  # fmt: skip
         assert not KM.tma_staging(cuda, *args), args
@@ -534,7 +543,7 @@ def test_gpu_configs_match_reference(bits, N, K, dtype):
 
 
 @gpu
-@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_tma_staging_matches_register_loads(dtype, bits):
     """The TMA-staged weight words (sm_90) give the register-loaded kernel's sums: bit for
@@ -543,8 +552,8 @@ def test_gpu_tma_staging_matches_register_loads(dtype, bits):
     from quantfw.kernels.kbit.triton import dispatch
     from quantfw.kernels.kbit.triton import mma as KM
 
-    copies = 32 if bits == 4 else 16
-    if not KM.tma_staging(torch.device("cuda"), bits, 8, 4, 4, 4, copies):
+    copies = {2: 16, 3: 32, 4: 32, 5: 8}[bits]  # the defaults
+    if not KM.tma_staging(torch.device("cuda"), 4, 8, 4, 4, 4, 32):
         pytest.skip("TMA staging needs sm_90+")
     gen = torch.Generator(device="cuda").manual_seed(7)
     for N, K in ((24576, 512), (1000, 4160)):  # 384 column blocks: no split; 16: split

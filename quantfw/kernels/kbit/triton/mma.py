@@ -39,11 +39,12 @@ kernel's self-cleaning workspace.
 
 Weight words reach the registers one of two ways. Register loads: a warp loads its next
 chunk's words after the chunk's math, and waits for them at the next chunk's first lookup.
-TMA staging (`tma_staging`: sm_90, K = 2, 4 and MXFP4, 8-token tiles): the CTA's words of one
-iteration (WK boxes of [64 rows, a quad's 4 K words], 8 or 16 KB) land in a shared-memory slot
-on an mbarrier; the warps copy them to registers (at K = 2 lanes c and c + 1 read the same
-word, as their register loads do), a CTA barrier frees the slot, and TMA refills it with the
-next iteration while this one computes (`_tma_words`).
+TMA staging (`tma_staging`: sm_90, K = 2, 4, 5 and MXFP4, 8-token tiles): the CTA's words of one
+iteration (WK boxes of [64 rows, a quad's field words], 8 or 16 words a row, and at K = 3, 5
+WK boxes of its four 1-bit words into a second slot) land in shared memory on an mbarrier;
+the warps copy them to registers (at K = 2, 3 lanes c and c + 1 read the same word, as their
+register loads do), a CTA barrier frees the slots, and TMA refills them with the next
+iteration while this one computes (`_tma_words`).
 
 MXFP4 blocks are kbit K = 4 blocks byte for byte (16 bytes, element 2i in the low nibble of
 byte i), so `mxfp4.layout` only pads and quad-interleaves them, and the table holds the E2M1
@@ -85,6 +86,11 @@ _ACT_CODES = {"silu": 1, "swiglu_oai": 2}
 #: bit widths whose gated pairs keep the separate activation kernel (none: every K's epilogue
 #: is checked against it by `test_gpu_gated_epilogue_matches_the_separate_activation`)
 SEPARATE_ACT_BITS: tuple[int, ...] = ()
+
+
+@constexpr_function
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
 
 
 @constexpr_function
@@ -321,30 +327,69 @@ def _gated_epilogue(
 
 
 @gluon.jit
-def _tma_stage(it, w_desc, w_slot, bar, wrow, sp, n_iter, SPLIT: gl.constexpr, WK: gl.constexpr):
-    """TMA copies of iteration ``it``'s weight words (if it exists) into the CTA's slot: one
-    [64 rows, QW words] box (a quad: QW = 4 K) per warp ``ks``, its quad ``(it SPLIT + sp) WK +
-    ks`` (zeros past K), all landing on ``bar``."""
-    QW: gl.constexpr = w_slot.shape[2]
+def _tma_stage(
+    it, w_desc, o_desc, w_slot, o_slot, bar, wrow, sp, n_iter, SPLIT: gl.constexpr,
+    WK: gl.constexpr, BITS: gl.constexpr,
+):  # fmt: skip
+    """TMA copies of iteration ``it``'s weight words (if it exists) into the CTA's slots: per
+    warp ``ks`` its quad ``(it SPLIT + sp) WK + ks`` (zeros past K) of 4 K words a row, as a
+    [64 rows, MW] box of field words and at K = 3, 5 a [64, 4] box of 1-bit words (into
+    `o_slot`), all landing on ``bar``."""
+    MW: gl.constexpr = w_slot.shape[2]
     ok = it < n_iter
-    mbarrier.expect(bar, WK * 64 * QW * 4, pred=ok)
+    mbarrier.expect(bar, WK * 64 * 4 * BITS * 4, pred=ok)
     for ks in gl.static_range(WK):
-        q = (it * SPLIT + sp) * WK + ks
-        tma.async_copy_global_to_shared(w_desc, [wrow, q * QW], bar, w_slot.index(ks), pred=ok)
+        col = ((it * SPLIT + sp) * WK + ks) * (4 * BITS)
+        tma.async_copy_global_to_shared(w_desc, [wrow, col], bar, w_slot.index(ks), pred=ok)
+        if BITS % 2 == 1:
+            tma.async_copy_global_to_shared(
+                o_desc, [wrow, col + MW], bar, o_slot.index(ks), pred=ok
+            )
+
+
+@gluon.jit
+def _pair_words(slot, jt: gl.constexpr, SHIFT: gl.constexpr, WK: gl.constexpr, L3: gl.constexpr):
+    """Bundle ``jt`` of a slot whose rows hold one word per block for two lanes (K = 2, 3:
+    [64 rows, 2 words j, 4 blocks]) or four (the 1-bit words: [64, 1, 4]): lanes ``4 g + 2 j +
+    h`` read word j of row 8 jt + g (a broadcast read), shifted right by SHIFT x h (K = 3's
+    field word: 16) or SHIFT x (2 j + h) (the 1-bit word: 8), as `_load_weights` shifts."""
+    J: gl.constexpr = slot.shape[2] // 4
+    words = slot._reinterpret(
+        gl.int32, [WK, 8, 8, J, 1, 4], gl.SwizzledSharedLayout(1, 1, 1, order=[5, 4, 3, 2, 1, 0])
+    )
+    L6: gl.constexpr = gl.BlockedLayout(
+        [1, 1, 1, 1, 1, 4], [1, 1, 8, 2, 2, 1], [WK, 1, 1, 1, 1, 1], [5, 4, 3, 2, 1, 0]
+    )
+    b = words.slice(jt, 1, dim=1).load(L6)
+    b = gl.broadcast(b, gl.full([WK, 1, 8, 2, 2, 4], 0, gl.int32, L6))[0]
+    if SHIFT != 0:
+        j = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(
+            2, gl.SliceLayout(4, gl.SliceLayout(5, L6))))))  # fmt: skip
+        j = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(
+            gl.expand_dims(j, 0), 1), 2), 4), 5)  # fmt: skip
+        h = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(
+            2, gl.SliceLayout(3, gl.SliceLayout(5, L6))))))  # fmt: skip
+        h = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(
+            gl.expand_dims(h, 0), 1), 2), 3), 5)  # fmt: skip
+        if J == 2:
+            b = b >> (SHIFT * h)
+        else:
+            b = b >> (SHIFT * (2 * j + h))
+    return gl.convert_layout(gl.reshape(b, [WK, 32, 4]), L3)
 
 
 @gluon.jit
 def _tma_words(
-    it, w_desc, w_slot, bar, wrow, sp, n_iter, L3: gl.constexpr, SPLIT: gl.constexpr,
-    WK: gl.constexpr,
+    it, w_desc, o_desc, w_slot, o_slot, bar, wrow, sp, n_iter, L3: gl.constexpr,
+    SPLIT: gl.constexpr, WK: gl.constexpr, BITS: gl.constexpr,
 ):  # fmt: skip
-    """Iteration ``it``'s weight bundles (as `_load_weights` returns them: K = 2 or 4, one quad)
-    out of the slot once its copies have landed; the slot is then refilled with iteration it +
+    """Iteration ``it``'s weight bundles (as `_load_weights` returns them for one quad) out of
+    the slots once their copies have landed; the slots are then refilled with iteration it +
     1, whose copies run during this iteration's math."""
-    QW: gl.constexpr = w_slot.shape[2]
+    MW: gl.constexpr = w_slot.shape[2]
     mbarrier.wait(bar, it & 1)
     ws = ()
-    if QW == 16:
+    if MW == 16:
         # the slot as [warp, bundle jt, lane 4 g + c, block r]: row 8 jt + g, word c of box ks
         words = w_slot._reinterpret(
             gl.int32, [WK, 8, 32, 4], gl.SwizzledSharedLayout(1, 1, 1, order=[3, 2, 1, 0])
@@ -355,22 +400,14 @@ def _tma_words(
         for jt in gl.static_range(8):
             b = words.slice(jt, 1, dim=1).load(L4)
             ws = ws + (gl.convert_layout(gl.reshape(b, [WK, 32, 4]), L3),)
-    else:
-        # K = 2: [warp, bundle jt, g, word j, half, block r]: lanes 4 g + 2 j + (0, 1) both
-        # read word j of row 8 jt + g (a broadcast read), as their register loads do
-        words = w_slot._reinterpret(
-            gl.int32, [WK, 8, 8, 2, 1, 4],
-            gl.SwizzledSharedLayout(1, 1, 1, order=[5, 4, 3, 2, 1, 0]),
-        )  # fmt: skip
-        L6: gl.constexpr = gl.BlockedLayout(
-            [1, 1, 1, 1, 1, 4], [1, 1, 8, 2, 2, 1], [WK, 1, 1, 1, 1, 1], [5, 4, 3, 2, 1, 0]
-        )
+    else:  # K = 2, 3: lanes 2 j, 2 j + 1 read 2-bit word j (K = 3: each its half)
         for jt in gl.static_range(8):
-            b = words.slice(jt, 1, dim=1).load(L6)
-            b = gl.broadcast(b, gl.full([WK, 1, 8, 2, 2, 4], 0, gl.int32, L6))[0]
-            ws = ws + (gl.convert_layout(gl.reshape(b, [WK, 32, 4]), L3),)
-    gl.thread_barrier()  # every warp holds its words: the slot may be refilled
-    _tma_stage(it + 1, w_desc, w_slot, bar, wrow, sp, n_iter, SPLIT, WK)
+            ws = ws + (_pair_words(w_slot, jt, 16 if BITS == 3 else 0, WK, L3),)
+    if BITS % 2 == 1:  # the 1-bit words' bundles, lane c's byte c at bit 0
+        for jt in gl.static_range(8):
+            ws = ws + (_pair_words(o_slot, jt, 8, WK, L3),)
+    gl.thread_barrier()  # every warp holds its words: the slots may be refilled
+    _tma_stage(it + 1, w_desc, o_desc, w_slot, o_slot, bar, wrow, sp, n_iter, SPLIT, WK, BITS)
     return ws
 
 
@@ -414,7 +451,8 @@ def kbit_mma_kernel(
     stride_be,
     act_alpha,  # ACT == 2: GPT-OSS's SwiGLU alpha and clamp limit
     act_limit,
-    w_desc,  # TMA: descriptor of qweight as [(E *) N_pad, KBP * BITS] int32, box [64, 4 BITS]
+    w_desc,  # TMA: descriptor of qweight as [(E *) N_pad, KBP * BITS] int32, box [64, 16 or 8]
+    o_desc,  # TMA at K = 3, 5: the same in boxes [64, 4] (the 1-bit words)
     W: gl.constexpr,  # warps per CTA, each on one 64-column block
     CH: gl.constexpr,  # blocks per chunk (a multiple of 4)
     TM: gl.constexpr,  # tokens per CTA tile: 8 or 16
@@ -497,23 +535,28 @@ def kbit_mma_kernel(
     # its bytes after the loop (`_sum_k_slices`): zero rows pad it to their size, so that the
     # table stays the largest allocation and starts at global_smem (the TMA slot is smaller).
     SUMS: gl.constexpr = 4 * (TM // 8) * W * 128 // (COPIES * EW) if WK > 1 else 0
-    ROWS: gl.constexpr = NE if SUMS <= NE else SUMS
+    # (and with TMA, to more than the slots' bytes: K = 3's 64 entries)
+    SLOTS: gl.constexpr = _pow2_at_least(WK * 64 * 4 * BITS // (COPIES * EW) + 1) if TMA else 0
+    ROWS: gl.constexpr = _pow2_at_least(max(NE, SUMS, SLOTS))
     # the first chunk's loads go out before the table is built; with PDL x waits for the
     # previous kernel to finish, after the table
     if TMA:  # one slot of WK boxes: an iteration's words, copied during the previous one's math
+        gl.static_assert(CH == 4 and WK == W, "TMA staging: CH 4, WK = W")
         gl.static_assert(
-            (BITS == 4 or BITS == 2) and CH == 4 and WK == W, "TMA staging: K = 2, 4, CH 4, WK = W"
+            WK * 64 * 4 * BITS * 4 < ROWS * COPIES * EW * 4, "TMA slots must be below the table"
         )
-        gl.static_assert(
-            WK * 64 * 4 * BITS * 4 < ROWS * COPIES * EW * 4, "TMA slot must be below the table"
-        )
-        w_slot = gl.allocate_shared_memory(gl.int32, [WK, 64, 4 * BITS], w_desc.layout)
+        MW: gl.constexpr = 16 if BITS >= 4 else 8  # field words of a quad row
+        w_slot = gl.allocate_shared_memory(gl.int32, [WK, 64, MW], w_desc.layout)
+        if BITS % 2 == 1:
+            o_slot = gl.allocate_shared_memory(gl.int32, [WK, 64, 4], o_desc.layout)
+        else:
+            o_slot = w_slot
         bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(bar, count=1)
         wrow = gl.program_id(0) * 64
         if GROUPED:
             wrow = expert * (NB * 64) + wrow
-        _tma_stage(0, w_desc, w_slot, bar, wrow, sp, n_iter, SPLIT, WK)
+        _tma_stage(0, w_desc, o_desc, w_slot, o_slot, bar, wrow, sp, n_iter, SPLIT, WK, BITS)
         ss = _load_scales(s_ptr, b0, s_off, nb_ok, KBP, KBS, MASK_K)
     else:
         ws, ss = _load_weights(
@@ -544,7 +587,9 @@ def kbit_mma_kernel(
     for it in range(n_iter - 1):  # the last chunk after the loop: no loads past the plan
         b_next = b0 + (it + 1) * SPLIT * WK * CH
         if TMA:
-            ws = _tma_words(it, w_desc, w_slot, bar, wrow, sp, n_iter, L3, SPLIT, WK)
+            ws = _tma_words(
+                it, w_desc, o_desc, w_slot, o_slot, bar, wrow, sp, n_iter, L3, SPLIT, WK, BITS
+            )
             accs = _chunk(ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16, UE8M0)
             ss = _load_scales(s_ptr, b_next, s_off, nb_ok, KBP, KBS, MASK_K)
             xs = _load_x(x_ptr, b_next, x_off, x_pair, K2, CH, TM)
@@ -564,7 +609,9 @@ def kbit_mma_kernel(
                 KBP, KBS, K2, CH, TM, BITS, MASK_K,
             )  # fmt: skip
     if TMA:
-        ws = _tma_words(n_iter - 1, w_desc, w_slot, bar, wrow, sp, n_iter, L3, SPLIT, WK)
+        ws = _tma_words(
+            n_iter - 1, w_desc, o_desc, w_slot, o_slot, bar, wrow, sp, n_iter, L3, SPLIT, WK, BITS
+        )
         mbarrier.invalidate(bar)  # its bytes may be reused by the sums below
     accs = _chunk(ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16, UE8M0)
     if LATE_RELEASE:
@@ -660,15 +707,19 @@ def plan(
 def tma_staging(
     device: torch.device, bits: int, tm: int, warps: int, wk: int, chunk: int, copies: int
 ) -> bool:
-    """Whether a launch stages its weight words by TMA (`_tma_words`): on sm_90+ for K = 2, 4
-    (and MXFP4) one-quad chunks with every warp on one column block, 8-token tiles (measured
-    faster at one token, slower for 16-token tiles: benchmarks/kbit-lab-log.md §19, §23), and a
-    table larger than the slot (K = 4: 32 copies against 16 KB; K = 2: 16 copies of two-word
-    entries against 8 KB), so that it stays at the start of shared memory."""
+    """Whether a launch stages its weight words by TMA (`_tma_words`): on sm_90+ one-quad
+    chunks with every warp on one column block, 8-token tiles (measured faster at one token,
+    slower for 16-token tiles: benchmarks/kbit-lab-log.md §19, §23, §24); at K = 2, 4 (and
+    MXFP4) where the table is larger than the slot (K = 4: 32 copies against 16 KB; K = 2: 16
+    copies of two-word entries against 8 KB), so that it stays at the start of shared memory;
+    at K = 5 always; not at K = 3 (2.7% slower end to end; the kernel can stage it, padding
+    its 64-entry table past the slots)."""
     if device.type != "cuda" or cuda_capability(device) < (9, 0):
         return False
-    if bits not in (2, 4) or tm != 8 or chunk != 4 or wk != warps:
+    if tm != 8 or chunk != 4 or wk != warps or bits == 3:
         return False
+    if bits == 5:
+        return True
     entry_bytes = 8 if bits == 2 else 4
     return _table_entries(bits) * copies * entry_bytes > wk * 64 * 4 * bits * 4
 
@@ -719,9 +770,11 @@ def _launch(
     sw = scales.view(torch.int32)
     if stage_by_tma is None:
         stage_by_tma = tma_staging(x2.device, bits, tm, warps, wk, chunk, copies)
-    w_desc = None
-    if stage_by_tma:  # a warp's box: 64 rows, a quad's 4 K words
-        w_desc = words_descriptor(qweight.view(-1, qweight.shape[-1]), [64, 4 * bits], owner)
+    w_desc = o_desc = None
+    if stage_by_tma:  # a warp's boxes: 64 rows of a quad's field words, and 1-bit words
+        words = qweight.view(-1, qweight.shape[-1])
+        w_desc = words_descriptor(words, [64, 16 if bits >= 4 else 8], owner)
+        o_desc = words_descriptor(words, [64, 4], owner) if bits % 2 else w_desc
     kbit_mma_kernel[grid](
         x2.view(torch.int32), qweight, sw, lut, bias if has_bias else out, out, ws, cnt,
         block_expert, block_row, m_indptr, gather if gather is not None else out,
@@ -729,7 +782,7 @@ def _launch(
         qweight.shape[0] if grouped else 1, x2.stride(0) // 2, out.stride(0),
         qweight.stride(0) if grouped else 0, sw.stride(0) if grouped else 0,
         bias.stride(0) if grouped and has_bias else 0,
-        fn.alpha if fuse else 1.0, fn.clamp if fuse else 0.0, w_desc,
+        fn.alpha if fuse else 1.0, fn.clamp if fuse else 0.0, w_desc, o_desc,
         W=warps, CH=chunk, TM=tm, SPLIT=split, COPIES=copies, BITS=bits, PIPE=pipe,
         MASK_N=NB % wb != 0, MASK_K=split * n_iter * wk * chunk != kbp, WK=wk,
         HAS_BIAS=has_bias, IS_BF16=x2.dtype == torch.bfloat16, UE8M0=ue8m0,

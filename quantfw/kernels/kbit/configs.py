@@ -135,7 +135,8 @@ def check_config(cfg: tuple, where: str = "kbit config") -> tuple:
 
 def default_config(M: int, N: int, K: int, bits: int, wgmma: bool = False) -> tuple:
     """The heuristic config of an untuned call (few tokens: the mma kernel; beyond, where the
-    wgmma kernel may run (`wgmma`: sm_90, launches replayed from CUDA graphs): that kernel; elsewhere up to ``FUSED_DEFAULT_MAX_M``: fused, then dequantize + cuBLAS)."""
+    wgmma kernel may run (`wgmma`: sm_90, launches replayed from CUDA graphs): that kernel;
+    elsewhere up to ``FUSED_DEFAULT_MAX_M``: fused, then dequantize + cuBLAS)."""
     if M <= MMA_DEFAULT_MAX_M and bits in MMA_BITS:
         return _mma_default(M, bits)
     if wgmma and bits in WGMMA_BITS:

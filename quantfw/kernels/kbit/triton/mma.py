@@ -39,8 +39,8 @@ kernel's self-cleaning workspace.
 
 Weight words reach the registers one of two ways. Register loads: a warp loads its next
 chunk's words after the chunk's math, and waits for them at the next chunk's first lookup.
-TMA staging (`tma_staging`: sm_90, K = 2, 4, 5 and MXFP4, 8-token tiles): the CTA's words of one
-iteration (WK boxes of [64 rows, a quad's field words], 8 or 16 words a row, and at K = 3, 5
+TMA staging (`tma_staging`: sm_90, K = 2, 4, 5 and MXFP4, 8-token tiles): the CTA's words of
+one iteration (WK boxes of [64 rows, a quad's field words], 8 or 16 words a row, and at K = 3, 5
 WK boxes of its four 1-bit words into a second slot) land in shared memory on an mbarrier;
 the warps copy them to registers (at K = 2, 3 lanes c and c + 1 read the same word, as their
 register loads do), a CTA barrier frees the slots, and TMA refills them with the next
@@ -63,6 +63,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from quantfw.kernels.common import cuda_capability, pdl, splitk
+from quantfw.kernels.common.lanes import lane_in_quad
 from quantfw.kernels.common.tma import words_descriptor
 from quantfw.kernels.fused import GatedAct
 from quantfw.kernels.kbit.configs import MMA_BITS
@@ -363,18 +364,11 @@ def _pair_words(slot, jt: gl.constexpr, SHIFT: gl.constexpr, WK: gl.constexpr, L
     b = words.slice(jt, 1, dim=1).load(L6)
     b = gl.broadcast(b, gl.full([WK, 1, 8, 2, 2, 4], 0, gl.int32, L6))[0]
     if SHIFT != 0:
-        j = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(
-            2, gl.SliceLayout(4, gl.SliceLayout(5, L6))))))  # fmt: skip
-        j = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(
-            gl.expand_dims(j, 0), 1), 2), 4), 5)  # fmt: skip
-        h = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(
-            2, gl.SliceLayout(3, gl.SliceLayout(5, L6))))))  # fmt: skip
-        h = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(
-            gl.expand_dims(h, 0), 1), 2), 3), 5)  # fmt: skip
+        c = lane_in_quad(L6)
         if J == 2:
-            b = b >> (SHIFT * h)
+            b = b >> (SHIFT * (c % 2))
         else:
-            b = b >> (SHIFT * (2 * j + h))
+            b = b >> (SHIFT * c)
     return gl.convert_layout(gl.reshape(b, [WK, 32, 4]), L3)
 
 

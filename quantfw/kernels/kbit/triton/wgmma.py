@@ -72,9 +72,8 @@ def _lookup_asm(dst: str, regs: tuple[int, ...]) -> str:
     nibbles of ``s``, bit 3 by byte mask ``m`` and bit 4 by ``m4`` (uses t0..t3)."""
     if len(regs) == 1:
         return f"prmt.b32 {dst}, {regs[0]:#x}, 0, s;\n"
-    groups = [
-        f"prmt.b32 t{g}, {regs[2 * g]:#x}, {regs[2 * g + 1]:#x}, s;" for g in range(len(regs) // 2)
-    ]
+    pairs = zip(regs[0::2], regs[1::2], strict=True)
+    groups = [f"prmt.b32 t{g}, {a:#x}, {b:#x}, s;" for g, (a, b) in enumerate(pairs)]
     if len(groups) == 1:
         return groups[0].replace("t0", dst, 1) + "\n"
     out = " ".join(groups) + "\n"
@@ -243,7 +242,8 @@ def kbit_wgmma_matmul(
     stages: int,
     chunk: int | None = None,
 ) -> torch.Tensor:
-    """``x2 [M, K] @ W.T (+ bias)`` for a kbit `weight` on sm_90 (x2 fp16 or bf16): x copied into the kernel's k order (`mxfp4.triton.wgmma.input_order`), then one launch."""
+    """``x2 [M, K] @ W.T (+ bias)`` for a kbit `weight` on sm_90 (x2 fp16 or bf16): x copied
+    into the kernel's k order (`mxfp4.triton.wgmma.input_order`), then one launch."""
     from quantfw.kernels.mxfp4.triton import wgmma
 
     if weight.bits not in WGMMA_BITS:

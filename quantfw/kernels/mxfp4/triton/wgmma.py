@@ -57,6 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from quantfw.kernels.common import splitk
+from quantfw.kernels.common.lanes import lane_in_quad
 from quantfw.kernels.common.tma import words_descriptor
 from quantfw.kernels.fused.reference import transpose_pairs
 from quantfw.kernels.moe.sort import BlockPlan
@@ -222,11 +223,7 @@ def _words(slot, NW: gl.constexpr, DL: gl.constexpr):
         )
         w = view.load(HL)
         w = gl.broadcast(w, gl.full([NW, 2, 8, 2, 2, 4], 0, gl.int32, HL))[0]
-        half = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(
-            2, gl.SliceLayout(3, gl.SliceLayout(5, HL))))))  # fmt: skip
-        half = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(
-            gl.expand_dims(half, 0), 1), 2), 3), 5)  # fmt: skip
-        w = w >> (16 * half)
+        w = w >> (16 * (lane_in_quad(HL) % 2))
         words = gl.convert_layout(gl.reshape(w, [NW, 2, 8, 4, 4]), WL)
     return words
 
@@ -247,15 +244,7 @@ def _ones(slot, NW: gl.constexpr, DL: gl.constexpr):
     )
     w = view.load(HL)
     w = gl.broadcast(w, gl.full([NW, 2, 8, 2, 2, 4], 0, gl.int32, HL))[0]
-    j = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(
-        2, gl.SliceLayout(4, gl.SliceLayout(5, HL))))))  # fmt: skip
-    j = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(
-        gl.expand_dims(j, 0), 1), 2), 4), 5)  # fmt: skip
-    half = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(
-        2, gl.SliceLayout(3, gl.SliceLayout(5, HL))))))  # fmt: skip
-    half = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(
-        gl.expand_dims(half, 0), 1), 2), 3), 5)  # fmt: skip
-    w = w >> (8 * (2 * j + half))
+    w = w >> (8 * lane_in_quad(HL))
     return gl.convert_layout(gl.reshape(w, [NW, 2, 8, 4, 4]), WL)
 
 
@@ -616,8 +605,8 @@ def _launch(
     # (a dense launch passes `out` for the plan's pointers: never read)
     ptrs = (out, out, out) if plan is None else (plan.block_expert, plan.block_row, plan.m_indptr)
     mxfp4_wgmma_kernel[(n_tiles, blocks, split)](
-        x_desc, w_desc, o_desc, scales.view(torch.int32), bias if bias is not None else out, out, ws,
-        cnt, *ptrs, rows, n, n_pad, n_quads, n_iter, num_experts,
+        x_desc, w_desc, o_desc, scales.view(torch.int32), bias if bias is not None else out, out,
+        ws, cnt, *ptrs, rows, n, n_pad, n_quads, n_iter, num_experts,
         bias.stride(0) if bias is not None and plan is not None else 0, out.stride(0),
         BT=bt, CH=chunk, S=stages, ODD=n_iter % 2 == 1, HAS_BIAS=bias is not None,
         DECODE=decode, DENSE=plan is None, WPQ=wpq, SPLIT=split, num_warps=NUM_WARPS,

@@ -30,11 +30,13 @@ def _codebooks(bits: int = 4):
 @pytest.mark.parametrize("bits", [2, 3, 4, 5])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_codebook_decode_on_cpu(bits, dtype):
-    """`codebook_words` (the PTX's prmt / lop3 algorithm in torch) gives, for random fields
-    (K = 2, 3: 2-bit fields in the low 16 bits, the high ones random; K = 3, 5: the 1-bit
-    fields in the low byte of a second word, its other bytes random) and every E4M4 byte (zero
-    and subnormal scales included), ``16 * level`` in the dtype times ``absmax / 16``, rounded
-    once, in the fields' order."""
+    """The decode PTX (`codebook_word_asm`, as the kernel embeds it) run on the CPU
+    (`ptx_exec`) gives, for random fields (K = 2, 3: 2-bit fields in the low 16 bits, the high
+    ones random; K = 3, 5: the 1-bit fields in the low byte of a second word, its other bytes
+    random) and every E4M4 byte (zero and subnormal scales included), ``16 * level`` in the
+    dtype times ``absmax / 16``, rounded once, in the fields' order."""
+    import ptx_exec
+
     g = torch.Generator().manual_seed(bits + int(dtype == torch.bfloat16))
     for cb in _codebooks(bits):
         idx = torch.randint(0, 2**bits, (4096, 8), generator=g)
@@ -48,7 +50,13 @@ def test_codebook_decode_on_cpu(bits, dtype):
             ones = sum((idx[:, t] >> width) << t for t in range(8))
             ones |= torch.randint(0, 2**24, (4096,), generator=g) << 8
         scale = torch.arange(4096) % 256
-        got = KW.codebook_words(words, scale, cb, dtype, ones)
+        asm = KW.codebook_word_asm(KW.table_words(cb, dtype), dtype)
+        operands = {KW.WORD: words, KW.SCALE: scale}
+        if ones is not None:
+            operands = {KW.WORD: words, KW.ONES: ones, KW.SCALE_WITH_ONES: scale}
+        pairs = ptx_exec.run(asm, operands, 4)
+        got = torch.stack([(p >> (16 * h)) & 0xFFFF for p in pairs for h in (0, 1)], -1)
+        got = got.to(torch.int16).view(dtype)
         absmax = kfmt.decode_e4m4(scale.to(torch.uint8)).double()
         want = ((16 * cb.float()).to(dtype).double()[idx] * (absmax / 16)[:, None]).to(dtype)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))

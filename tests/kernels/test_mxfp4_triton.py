@@ -30,10 +30,12 @@ def test_kernels_under_the_interpreter():
 
 
 def test_bf16_word_decode_matches_the_reference_for_every_code_and_scale():
-    """The algorithm of the bf16 dequantize PTX (`e2m1_words_bf16`): every code in every
-    position of a word, under every UE8M0 byte (inf at s = 255, subnormals at s <= 1), bit for
-    bit against `mxfp4.dequantize`."""
-    from quantfw.kernels.mxfp4.triton.dequantize import e2m1_words_bf16
+    """The bf16 dequantize PTX (`e2m1_word_bf16_asm`, as the kernels embed it) run on the CPU
+    (`ptx_exec`): every code in every position of a word, under every UE8M0 byte (inf at s =
+    255, subnormals at s <= 1), bit for bit against `mxfp4.dequantize`."""
+    import ptx_exec
+
+    from quantfw.kernels.mxfp4.triton.dequantize import e2m1_word_bf16_asm
 
     s = torch.arange(256).repeat_interleave(16)
     codes = torch.stack([(torch.arange(16).repeat(256) + 3 * i) % 16 for i in range(8)], -1)
@@ -42,7 +44,9 @@ def test_bf16_word_decode_matches_the_reference_for_every_code_and_scale():
     blocks[:, 0, :4] = codes[:, 0::2] | (codes[:, 1::2] << 4)
     ref = mxfp4.dequantize(blocks, s.to(torch.uint8)[:, None], torch.bfloat16)[:, :8]
     assert torch.isinf(ref).any() and (ref == 0).any()
-    assert torch.equal(e2m1_words_bf16(words, s).view(torch.int16), ref.view(torch.int16))
+    pairs = ptx_exec.run(e2m1_word_bf16_asm(4, 5), {4: words, 5: s}, 4)
+    got = torch.stack([(p >> (16 * h)) & 0xFFFF for p in pairs for h in (0, 1)], -1)
+    assert torch.equal(got.to(torch.int16), ref.view(torch.int16))
 
 
 def test_wgmma_fragment_order_is_the_activations_input_order():

@@ -24,8 +24,8 @@ the nibbles of a word:
 Two ``prmt`` then pair low and high bytes into values, and each pair is multiplied by the E4M4
 scale: its byte shifted left by 6 is the fp16 of ``absmax / 16`` (exact, subnormals included;
 for bf16 converted through float32, exact), so a value is ``16 * level`` (rounded to the dtype)
-times ``absmax / 16``, rounded once. `codebook_words` is the same algorithm in torch, the CPU
-check of the PTX.
+times ``absmax / 16``, rounded once. The tests run this PTX on the CPU
+(``tests/support/ptx_exec.py``).
 """
 
 from __future__ import annotations
@@ -147,81 +147,6 @@ def codebook_word_asm(table: tuple[int, ...], dtype: torch.dtype) -> str:
         " .reg .b16 h, hx; .reg .f32 f;\n"
         f"mov.b32 w, ${WORD}; mov.b32 nz, 0x80008000;\n" + start + scale + "".join(body) + "}"
     )
-
-
-def _prmt(a: torch.Tensor, b: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
-    """PTX ``prmt.b32`` (default mode) on int64 tensors holding 32-bit values."""
-    src = torch.stack([(v >> (8 * i)) & 0xFF for v in (a, b) for i in range(4)], -1)
-    out = torch.zeros_like(a)
-    for i in range(4):
-        nib = (sel >> (4 * i)) & 0xF
-        byte = src.gather(-1, (nib & 7).unsqueeze(-1)).squeeze(-1)
-        byte = torch.where(nib >= 8, torch.where(byte >= 0x80, 0xFF, 0), byte)
-        out |= byte << (8 * i)
-    return out
-
-
-def _spread(v: torch.Tensor, steps: tuple[tuple[int, int], ...]) -> torch.Tensor:
-    for sh, mask in steps:
-        v = (v | (v << sh)) & mask
-    return v
-
-
-def codebook_words(
-    words: torch.Tensor,
-    scale_bytes: torch.Tensor,
-    codebook: torch.Tensor,
-    dtype: torch.dtype,
-    ones: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`codebook_word_asm` in torch: int64 `words` (8 indices each: nibbles at K = 4, 5, 2-bit
-    fields in the low 16 bits at K = 2, 3; at K = 3, 5 their 1-bit fields in the low byte of
-    `ones`) under E4M4 `scale_bytes` (same shape) -> ``[..., 8]`` values in `dtype`, in the
-    fields' order."""
-    table = torch.tensor(table_words(codebook, dtype), dtype=torch.int64)
-    bits = _TABLE_BITS[table.numel()]
-    w = words & 0xFFFFFFFF
-
-    def sel(v: int) -> torch.Tensor:
-        return torch.full_like(w, v)
-
-    def lookup(regs: torch.Tensor, s, m, m4) -> torch.Tensor:
-        if regs.numel() == 1:
-            return _prmt(regs[0].expand_as(w), torch.zeros_like(w), s)
-        got = [_prmt(regs[2 * g].expand_as(w), regs[2 * g + 1].expand_as(w), s)
-               for g in range(regs.numel() // 2)]  # fmt: skip
-        for mask in (m, m4)[: len(got).bit_length() - 1]:  # index bit 3, then bit 4
-            got = [(got[i] & ~mask) | (got[i + 1] & mask) for i in range(0, len(got), 2)]
-        return got[0]
-
-    o = _spread(ones & 0xFF, _SPREAD_BITS) if bits in (3, 5) else None
-    if bits < 4:
-        a = _spread(w & 0xFFFF, _SPREAD)
-        if bits == 3:
-            a = a | (o << 2)
-    half = (scale_bytes.to(torch.int64) << 6).to(torch.int16).view(torch.float16)
-    scale = half.to(torch.float64)  # absmax / 16, exact
-    lo_regs, hi_regs = table[: table.numel() // 2], table[table.numel() // 2 :]
-    parts = []
-    for part, mask_sel in enumerate(_MASK_SELECTORS):
-        m = m4 = None
-        if bits >= 4:
-            s = (w >> 16 * part) & 0x7777
-            m = _prmt((w << 4) & 0xFFFFFFFF, w, sel(mask_sel))
-            if bits == 5:
-                m4 = _prmt((o << 7) & 0xFFFFFFFF, (o << 3) & 0xFFFFFFFF, sel(mask_sel))
-        else:
-            s = a >> (16 * part)
-        parts.append((lookup(lo_regs, s, m, m4), lookup(hi_regs, s, m, m4)))
-    values = []
-    for lo, hi in parts:
-        for pair_sel in _PAIR_SELECTORS:
-            pair = _prmt(lo, hi, sel(pair_sel))
-            for h in (0, 1):
-                bits16 = ((pair >> (16 * h)) & 0xFFFF).to(torch.int16)
-                level = bits16.view(dtype).to(torch.float64)
-                values.append((level * scale).to(dtype))  # exact product, rounded once
-    return torch.stack(values, -1)
 
 
 def decode_asm(weight: KbitWeight, dtype: torch.dtype) -> str:

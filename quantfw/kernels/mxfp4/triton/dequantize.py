@@ -5,8 +5,8 @@ A program decodes whole int32 words of ``qweight``: word ``16 q + 4 j + r`` of a
 8 consecutive inputs ``128 q + 32 r + 8 j + (0..7)`` of block ``4 q + r`` as nibbles, lowest
 first, so each word becomes 16 contiguous output bytes. The words are loaded in input order (a
 permutation within each quad's 64 bytes), so a row's stores are contiguous. For bfloat16 a
-word is decoded two values per instruction by `E2M1_WORD_BF16_ASM` (`e2m1_words_bf16` is the
-same algorithm in torch); other dtypes (and Triton's interpreter) decode each nibble with the
+word is decoded two values per instruction by `E2M1_WORD_BF16_ASM` (the tests run its PTX on
+the CPU, ``tests/support/ptx_exec.py``); other dtypes (and Triton's interpreter) decode each nibble with the
 grouped GEMM's float32 arithmetic. Either way each value is ``ldexp(e2m1, s - 127)`` rounded
 once, as `mxfp4.dequantize` computes it.
 """
@@ -57,27 +57,6 @@ def e2m1_word_bf16_asm(word: int, scale: int) -> str:
 #: $0..$3 the word's values as bf16 pairs; $4 the word; $5 its UE8M0 byte
 E2M1_WORD_BF16_ASM = tl.constexpr(e2m1_word_bf16_asm(4, 5))
 _ASM_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,r,r")
-
-
-def e2m1_words_bf16(words: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """`E2M1_WORD_BF16_ASM` in torch (the CPU check of its algorithm): int64 `words` (each 8
-    E2M1 codes) under UE8M0 bytes `s` (same shape) -> ``[..., 8]`` bfloat16 in input order."""
-
-    def bf16_value(bits: torch.Tensor) -> torch.Tensor:  # exact, subnormals included
-        sign = torch.where(bits & 0x8000 != 0, -1.0, 1.0).double()
-        exp, mant = (bits >> 7) & 0xFF, (bits & 0x7F).double()
-        normal = torch.ldexp(1 + mant / 128, (exp - 127).double())
-        return sign * torch.where(exp == 0, torch.ldexp(mant / 128, torch.tensor(-126.0)), normal)
-
-    scale = bf16_value(torch.where(s >= 2, (s - 1) << 7, 0x20 << s.clamp(max=1)))
-    big = bf16_value(torch.tensor(_BF16_2P127 & 0xFFFF))
-    q = words & 0xFFFFFFFF
-    pairs = {}
-    for i in (3, 2, 1, 0):
-        r = ((q & 0x70007000) >> 6) | (q & 0x80008000)
-        q = (q << 4) & 0xFFFFFFFF
-        pairs[i] = [(bf16_value(h) * big * scale).to(torch.bfloat16) for h in (r & 0xFFFF, r >> 16)]
-    return torch.stack([pairs[i][0] for i in range(4)] + [pairs[i][1] for i in range(4)], -1)
 
 
 @triton.jit

@@ -49,8 +49,7 @@ FUSED_DEFAULT_MAX_M = 128
 #: largest M it serves by default
 MMA_BITS = (2, 3, 4, 5)
 MMA_DEFAULT_MAX_M = 16
-#: bits the wgmma kernel serves (sm_90) and its configs: 64-, 128- and 256-token tiles
-WGMMA_BITS = (2, 3, 4, 5)
+#: the wgmma kernel's configs (sm_90, every K): 64-, 128- and 256-token tiles
 WGMMA_64, WGMMA_128, WGMMA_256 = (
     ("wgmma", 64, 4, 64),
     ("wgmma", 128, 3, 128),
@@ -139,7 +138,7 @@ def default_config(M: int, N: int, K: int, bits: int, wgmma: bool = False) -> tu
     elsewhere up to ``FUSED_DEFAULT_MAX_M``: fused, then dequantize + cuBLAS)."""
     if M <= MMA_DEFAULT_MAX_M and bits in MMA_BITS:
         return _mma_default(M, bits)
-    if wgmma and bits in WGMMA_BITS:
+    if wgmma:
         tile = wgmma_tile(M, N, K, bits)
         if tile is not None:
             return tile
@@ -191,6 +190,6 @@ def candidate_configs(M: int, bits: int = 4, wgmma: bool = False) -> list[tuple]
             ("mma", 4, 4, 4, _mma_copies(bits), True),
             ("mma", 4, 8, 4, 4, True),
         ] + cands
-    if wgmma and bits in WGMMA_BITS and M >= 16:
+    if wgmma and M >= 16:
         cands += [WGMMA_64, ("wgmma", 128, 3, 64), WGMMA_128, WGMMA_256]
     return list(dict.fromkeys([default_config(M, 0, 0, bits, wgmma)] + cands))

@@ -539,7 +539,7 @@ def kbit_mma_kernel(
         gl.static_assert(
             WK * 64 * 4 * BITS * 4 < ROWS * COPIES * EW * 4, "TMA slots must be below the table"
         )
-        MW: gl.constexpr = 16 if BITS >= 4 else 8  # field words of a quad row
+        MW: gl.constexpr = w_desc.block_shape[1]  # field words of a quad row (the host's box)
         w_slot = gl.allocate_shared_memory(gl.int32, [WK, 64, MW], w_desc.layout)
         if BITS % 2 == 1:
             o_slot = gl.allocate_shared_memory(gl.int32, [WK, 64, 4], o_desc.layout)

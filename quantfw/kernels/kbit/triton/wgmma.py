@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import torch
 
-from quantfw.kernels.kbit.configs import WGMMA_BITS
 from quantfw.kernels.kbit.layout import KbitWeight
 
 #: prmt selectors of the sign-replicate mode: bit 7 of bytes 0, 0, 1, 1 (values 0..3) or 2,
@@ -171,8 +170,6 @@ def kbit_wgmma_matmul(
     into the kernel's k order (`mxfp4.triton.wgmma.input_order`), then one launch."""
     from quantfw.kernels.mxfp4.triton import wgmma
 
-    if weight.bits not in WGMMA_BITS:
-        raise ValueError(f"kbit wgmma: K in {WGMMA_BITS} only, got K = {weight.bits}")
     return wgmma.dense_gemm(
         wgmma.input_order(x2), weight.qweight, weight.scales, weight.out_features,
         decode_asm(weight, x2.dtype), bias=bias, block_tokens=block_tokens, stages=stages,

@@ -415,7 +415,7 @@ def mxfp4_wgmma_kernel(
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
 
     x_smem = gl.allocate_shared_memory(x_desc.dtype, [2 * S, BT, 64], x_desc.layout)
-    MW: gl.constexpr = 16 if WPQ >= 16 else 8  # `MAIN_WORDS`
+    MW: gl.constexpr = w_desc.block_shape[1]  # the host's box: `MAIN_WORDS`
     w_smem = gl.allocate_shared_memory(gl.int32, [S, 128, MW], w_desc.layout)
     if WPQ != MW:
         o_smem = gl.allocate_shared_memory(gl.int32, [S, 128, 4], o_desc.layout)

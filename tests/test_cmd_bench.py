@@ -21,6 +21,7 @@ from quantfw.bench.measure import (
     bound_cache_bytes,
     decode_read_bytes,
     experts_read_fraction,
+    source_revision,
     uncounted_layers,
     weight_bytes,
 )
@@ -218,8 +219,27 @@ def test_bench_command_on_a_tiny_config(tmp_path, capsys):
     assert len(stems) == 1 and next(iter(stems)).startswith("bench-tiny-llama-CPU")
     markdown = Path(out, next(iter(stems)) + ".md").read_text()
     assert report["command"] in markdown and report["date"] in markdown
+    assert report["quantfw"] == quantfw.__version__
+    assert f"- quantfw: {quantfw.__version__} (source " in markdown
+    assert report["source"] == source_revision()
     has_chart = os.path.exists(os.path.join(out, next(iter(stems)) + ".png"))
     assert has_chart == (importlib.util.find_spec("matplotlib") is not None)
+
+
+def test_source_revision_names_the_checkouts_commit(tmp_path):
+    here = os.path.dirname(os.path.abspath(__file__))
+    head = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("the tests do not run from a git checkout")
+    revision = source_revision(here)
+    assert revision.split("+")[0] == head.stdout.strip()
+    assert revision.endswith("+modified") == bool(
+        subprocess.run(
+            ["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True,
+        ).stdout.strip()
+    )  # fmt: skip
+    assert source_revision(str(tmp_path)) is None  # not a checkout
 
 
 def test_bench_rejects_bad_input(capsys):

@@ -11,6 +11,7 @@ GPU's memory).
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -87,6 +88,30 @@ def device_name(device: torch.device) -> str:
     import platform
 
     return f"CPU {platform.machine()}".strip()
+
+
+def source_revision(path: str | None = None) -> str | None:
+    """The git commit of the checkout holding ``path`` (default: this package), with
+    ``+modified`` when tracked files differ from it; None outside a git checkout or without
+    git. A run's results name the code that produced them."""
+    import subprocess
+
+    where = path or os.path.dirname(os.path.abspath(__file__))
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(
+                ["git", "-C", where, *args], capture_output=True, text=True, timeout=10
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    if not commit:
+        return None
+    modified = git("status", "--porcelain", "--untracked-files=no")
+    return commit + ("+modified" if modified else "")
 
 
 def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None) -> float:

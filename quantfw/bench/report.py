@@ -141,6 +141,7 @@ def format_markdown(report: dict[str, Any], text: str, chart: str | None) -> str
         f"- date: {report['date']}",
         f"- device: {report['device']} (tensor parallel size {report['tensor_parallel_size']})",
         f"- torch: {report['torch']}",
+        f"- quantfw: {report.get('quantfw', '?')} (source {report.get('source') or 'not a git checkout'})",
         f"- command: `{report['command']}`",
         "",
         "```text",

@@ -149,9 +149,15 @@ def _measure_all(
     """Every method in turn (a failing one is recorded and the others go on); the report."""
     import torch
 
+    import quantfw
     from quantfw import distributed as qdist
     from quantfw.bench.configs import write_config_folder
-    from quantfw.bench.measure import device_name, measure_copy_bandwidth, measure_method
+    from quantfw.bench.measure import (
+        device_name,
+        measure_copy_bandwidth,
+        measure_method,
+        source_revision,
+    )
     from quantfw.bench.report import add_comparisons
     from quantfw.config import ModelConfig
 
@@ -196,6 +202,8 @@ def _measure_all(
         "device": device_name(device),
         "tensor_parallel_size": qdist.get_tp_size(),
         "torch": torch.__version__,
+        "quantfw": quantfw.__version__,
+        "source": source_revision(),
         "model": label,
         "config": {k: config.get(k) for k in _SHAPE_KEYS if k in config},
         "settings": {

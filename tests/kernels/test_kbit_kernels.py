@@ -330,6 +330,24 @@ def test_mma_kernel_tma_staging_compiles_for_sm90_without_a_gpu(bits, grouped):
     assert (first < ptx.index("griddepcontrol.wait")) != grouped
 
 
+def test_sass_loop_probe_runs_without_a_gpu():
+    """`benchmarks/sass_mma_loop.py` (the main loop's instructions per weight and the issue
+    share a one-token GEMM needs at its floor, kbit-lab-log §25) still finds the loop of every
+    default variant (one chunk of 32 `HMMA` a warp); K = 2 needs a larger share than K = 4
+    (half the bytes a weight, nearly as many instructions), K = 3 too."""
+    pytest.importorskip("triton")
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "sass_mma_loop.py")
+    done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    shares = dict(
+        re.findall(r"^(.+?)\s+\d+ regs.*issue share at the floor ([\d.]+)", done.stdout, re.M)
+    )
+    assert len(shares) == 9, done.stdout
+    share = {name: float(v) for name, v in shares.items()}
+    assert 0.3 < share["kbit K=4 split K"] < share["kbit K=2 split K"]
+    assert share["kbit K=3 split K"] > share["kbit K=4 split K"] and share["kbit K=5 split K"] > 0.5
+
+
 def test_tma_staging_rule(monkeypatch):
     """`mma.tma_staging`: sm_90+, 8-token tiles, one-quad chunks, all warps on one column
     block; K = 5, and K = 2, 4 with a table larger than the slot (K = 4: 32 copies; K = 2: 8

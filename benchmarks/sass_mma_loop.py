@@ -1,0 +1,136 @@
+"""What the lookup kernel's main loop issues, and what a one-token GEMM needs of the SMs' issue
+slots to stream at its bandwidth floor: no GPU needed (sm_90 compiles through Triton's bundled
+ptxas and nvdisasm, as the CPU tests compile).
+
+For each one-token default of `kbit_mma_kernel` (kbit K = 2..5, and MXFP4's grouped bf16 launch
+with W13's SwiGLU): registers, shared memory, the SASS instructions of the loop body (one
+iteration: each warp one chunk of 4 blocks x 64 columns, 8192 weights, 32 `HMMA`) by opcode,
+and the share of the GPU's peak issue rate (SMs x 4 schedulers x clock, one warp instruction a
+cycle each) that those instructions take when the weights stream at the given bandwidth. A
+share near or above 1 means the kernel is bound by instruction issue, not by memory
+(benchmarks/kbit-lab-log.md §25).
+
+    python benchmarks/sass_mma_loop.py                     # H200: 4.25 TB/s, 132 SMs, 1.98 GHz
+    python benchmarks/sass_mma_loop.py --bandwidth 3.0     # H100 SXM
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [
+    os.path.join(HERE, "..", "tests", "support"),
+    os.path.join(HERE, "..", "tests", "kernels"),
+]
+
+#: pointers and sizes compiled as multiples of 16, as the JIT specialises them (without it the
+#: weight loads come out as 4-byte ones: kbit-lab-log §10)
+ALIGNED = ("x_ptr", "q_ptr", "s_ptr", "lut_ptr", "out_ptr", "ws_ptr", "K2", "KBP", "KBS",
+           "stride_xm", "stride_om")  # fmt: skip
+WEIGHTS_PER_ITERATION = 4 * 32 * 64  # a warp's chunk: 4 blocks of 32 inputs x 64 columns
+
+
+def variants() -> list[tuple[str, int, dict]]:
+    """(name, bits, constexprs) of the one-token defaults (`configs._mma_default`, 8-token
+    tiles, 4 warps on one column block, TMA staging where `mma.tma_staging` turns it on)."""
+    base = dict(W=4, CH=4, TM=8, PIPE=False, MASK_N=False, MASK_K=False, HAS_BIAS=False,
+                IS_BF16=False, UE8M0=False, GROUPED=False, GATHER=False, PDL=True, WK=4,
+                LATE_RELEASE=False)  # fmt: skip
+    copies = {2: 16, 3: 32, 4: 32, 5: 8}
+    out = []
+    for bits in (2, 3, 4, 5):
+        for split, act, name in ((2, 0, "split K"), (1, 1, "gate_up + SiLU")):
+            consts = {**base, "SPLIT": split, "ACT": act, "COPIES": copies[bits], "BITS": bits,
+                      "TMA": bits != 3}  # fmt: skip
+            out.append((f"kbit K={bits} {name}", bits, consts))
+    mx = {**base, "SPLIT": 1, "ACT": 2, "COPIES": 32, "BITS": 4, "TMA": True, "MASK_K": True,
+          "HAS_BIAS": True, "IS_BF16": True, "UE8M0": True, "GROUPED": True, "GATHER": True}  # fmt: skip
+    out.append(("MXFP4 W13 grouped + SwiGLU", 4, mx))
+    return out
+
+
+def compile_variant(bits: int, consts: dict) -> tuple[str, int, int]:
+    """(SASS text, registers, shared bytes) of one sm_90 compile."""
+    import triton
+    from aot import compile_for_sm90
+    from test_kbit_kernels import _MMA_SIGNATURE
+    from triton.experimental.gluon import language as gl
+
+    from quantfw.kernels.kbit.triton import mma as KM
+
+    sig = dict(_MMA_SIGNATURE)
+    if consts["IS_BF16"]:
+        sig.update(bias_ptr="*bf16", out_ptr="*bf16")
+    if consts["TMA"]:
+        slot = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+        mw = 16 if bits >= 4 else 8
+        sig["w_desc"] = f"tensordesc<i32[64, {mw}],{slot!r}>"
+        sig["o_desc"] = f"tensordesc<i32[64, 4],{slot!r}>"
+    else:
+        consts = {**consts, "w_desc": None, "o_desc": None}
+    kernel = compile_for_sm90(
+        KM.kbit_mma_kernel, sig, consts, aligned=ALIGNED, num_warps=4, launch_pdl=True
+    )
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        sass = subprocess.run([f"{tools}/nvdisasm", "-c", cubin], capture_output=True, text=True)
+        usage = subprocess.run([f"{tools}/cuobjdump", "-res-usage", cubin], capture_output=True,
+                               text=True)  # fmt: skip
+    regs = int(re.search(r"REG:(\d+)", usage.stdout).group(1))
+    return sass.stdout, regs, kernel.metadata.shared
+
+
+def loop_body(sass: str) -> list[str]:
+    """The instructions of the main loop: the backward branch whose span holds the most `HMMA`
+    (mbarrier retry loops and the code after `EXIT` left out)."""
+    labels = {m.group(1): m.start() for m in re.finditer(r"(\.L_x_\d+):", sass)}
+    best = (-1, "")
+    for m in re.finditer(r"BRA[^\n]*?(\.L_x_\d+)", sass):
+        start = labels.get(m.group(1))
+        if start is None or start >= m.start() or "EXIT" in sass[start : m.start()]:
+            continue
+        span = sass[start : m.start()]
+        best = max(best, (span.count("HMMA"), span))
+    return [ln for ln in best[1].splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
+
+
+def opcode(line: str) -> str:
+    m = re.search(r"\*/\s+(?:@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9_]*)", line)
+    return m.group(1) if m else "?"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bandwidth", type=float, default=4.25, help="TB/s the weights stream at")
+    ap.add_argument("--sms", type=int, default=132)
+    ap.add_argument("--clock", type=float, default=1.98, help="SM clock, GHz")
+    args = ap.parse_args()
+    peak = args.sms * 4 * args.clock * 1e9  # warp instructions a second
+    print(f"{args.sms} SMs x 4 schedulers x {args.clock} GHz; weights at {args.bandwidth} TB/s")
+    for name, bits, consts in variants():
+        sass, regs, smem = compile_variant(bits, consts)
+        body = loop_body(sass)
+        ops = collections.Counter(opcode(ln) for ln in body)
+        assert ops["HMMA"] == 32, (name, ops["HMMA"])  # one chunk of 8192 weights a warp
+        bytes_per_weight = bits / 8 + 1 / 32  # fields and one scale byte per block of 32
+        weights_per_s = args.bandwidth * 1e12 / bytes_per_weight
+        share = weights_per_s / WEIGHTS_PER_ITERATION * len(body) / peak
+        mix = ", ".join(f"{op} {n}" for op, n in ops.most_common(8))
+        print(f"{name:28s} {regs:3d} regs {smem // 1024:3d} KB  loop {len(body):5d} instr "
+              f"({len(body) * 32 / WEIGHTS_PER_ITERATION:.2f} a weight a thread)  issue share "
+              f"at the floor {share:.2f}  [{mix}]")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

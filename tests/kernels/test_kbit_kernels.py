@@ -402,47 +402,66 @@ def test_mma_plan_covers_every_chunk_once(blocks, kbp, tiles, warps, wk, chunk):
 @pytest.mark.parametrize("bits", [2, 3, 4, 5])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_mma_lookup_math_on_cpu(bits, dtype):
-    """The mma kernel's decode, step by step in torch: lane c of a column reads its word of 4
-    blocks at the kernel's address (K = 4, 5: field word c; K = 2, 3: half c % 2 of word
-    c // 2; K = 3, 5 also byte c of the 1-bit word), each table index is built as the PTX
-    builds it (K = 2, 4: a byte; K = 3: a nibble of two 2-bit fields and their 1-bit fields
-    as bits 4, 5; K = 5: a byte and the 1-bit fields as bits 8, 9), and the E4M4 byte
-    shifted left by 6 is the fp16 absmax / 16. The weight it rebuilds is the reference's
-    (levels rounded to `dtype` once)."""
-    from quantfw.kernels.kbit.triton.mma import lookup_table
+    """The mma kernel's decode on the CPU through the PTX it runs (`ptx_exec`): lane 4g + c of
+    columns g and g + 8 takes its word of 4 blocks at the kernel's address (K = 4, 5: field
+    word c; K = 2, 3: word c // 2, K = 3's shifted right by 16 (c % 2); K = 3, 5 also the
+    1-bit word shifted by 8 c), K = 2's words paired by `PAIR_COLUMNS_ASM`, and each step's
+    `_lookup_asm` reads the table laid out in shared memory as the kernel fills it (copy
+    lane % copies); register p = 2 h + e holds elements 8c + 4v + 2e, + 1 of column g + 8h,
+    and the E4M4 byte shifted left by 6 is the fp16 absmax / 16. The weight rebuilt from the
+    A registers is the reference's (levels rounded to `dtype` once)."""
+    import ptx_exec
+
+    from quantfw.kernels.kbit.triton.mma import PAIR_COLUMNS_ASM, _lookup_asm, lookup_table
 
     N, K = 24, 256
     planes, absmax, cb, ref = random_weight(N, K, bits, seed=bits + 11)
     w = layout.repack(planes, absmax, cb)
+    copies = C.default_config(1, N, K, bits)[4]
     lut = lookup_table(w.codebook, bits, dtype)  # [entries, words]
+    ew = lut.shape[1]
+    # word (entry * copies + copy) * ew + i holds lut[entry, i]
+    shared = (lut.to(torch.int64) & 0xFFFFFFFF)[:, None].expand(-1, copies, -1).reshape(-1)
     kbp = w.padded_blocks
     q = w.qweight.to(torch.int64) & 0xFFFFFFFF
+    n_pad = q.shape[0]
     blocks = torch.arange(kbp)
-    rebuilt = torch.empty(N, kbp, 32)
+    cols_g = torch.arange(n_pad).view(-1, 16)[:, :8].reshape(-1)  # g of every 16 columns
+    rebuilt = torch.empty(n_pad, kbp, 32)
 
     def quad_word(word):  # the lane's 16-byte load for blocks 4q .. 4q + 3: word `word`
         return q[:, (blocks // 4) * 4 * bits + 4 * word + blocks % 4]
 
-    def put(c, first, entry):  # an entry's levels are elements 8c + first, ...
-        half = torch.stack([entry & 0xFFFF, (entry >> 16) & 0xFFFF], -1).flatten(-2)
-        vals = half.to(torch.int16).view(dtype).float()  # 16 * level
-        rebuilt[:, :, 8 * c + first : 8 * c + first + vals.shape[-1]] = vals[:N]
+    def full(v):
+        return torch.full((len(cols_g), kbp), v, dtype=torch.int64)
 
     for c in range(4):  # lane c supplies elements 8c .. 8c + 7 of every block
-        src = quad_word(c if bits >= 4 else c // 2)
-        if bits in (2, 3):
-            src = (src >> (16 * (c % 2))) & 0xFFFF
-        if bits in (2, 4):
-            nbytes = 4 if bits == 4 else 2
-            for byte in range(nbytes):
-                put(c, 8 // nbytes * byte, lut[(src >> (8 * byte)) & 0xFF])
-            continue
-        ones = (quad_word(bits - 1) >> (8 * c)) & 0xFF  # the 1-bit fields of the 8 elements
-        for v, e in itertools.product(range(2), range(2)):  # elements 8c + 4v + 2e, + 1
-            pair = 4 * v + 2 * e
-            fields = (src >> (4 * pair if bits == 5 else 2 * pair)) & (255 if bits == 5 else 15)
-            index = fields | (((ones >> pair) & 3) << (8 if bits == 5 else 4))
-            put(c, pair, lut[index, 0, None])
+        words = quad_word(c if bits >= 4 else c // 2)
+        if bits == 3:
+            words = words >> (16 * (c % 2))
+        w0, w1 = words[cols_g], words[cols_g + 8]
+        if bits == 2:
+            w0, w1 = ptx_exec.run(PAIR_COLUMNS_ASM.value, {2: w0, 3: w1}, 2)
+        lane = 4 * (cols_g % 16) + c
+        base = ((lane % copies) * 4 * ew)[:, None].expand(-1, kbp)
+        ops = {
+            4: w0,
+            8: w1,
+            20: base,
+            24: full(0x4440 + 2 * (c % 2)),
+            25: full(0x4441 + 2 * (c % 2)),
+        }
+        if bits % 2:
+            ones = quad_word(bits - 1) >> (8 * c)
+            ops.update({12: ones[cols_g], 16: ones[cols_g + 8]})
+        for v in range(2):
+            regs = ptx_exec.run(_lookup_asm(bits, 0, v, copies), ops, 4, shared)
+            for p, reg in enumerate(regs):
+                half = torch.stack([reg & 0xFFFF, reg >> 16], -1)
+                vals = half.to(torch.int16).view(dtype).float()  # 16 * level
+                first = 8 * c + 4 * v + 2 * (p % 2)
+                rebuilt[cols_g + 8 * (p // 2), :, first : first + 2] = vals
+    rebuilt = rebuilt[:N]
     scale16 = (w.scales.to(torch.int32) << 6).to(torch.int16).view(torch.float16).float()
     rebuilt = (rebuilt * scale16[:N, :, None]).reshape(N, -1)[:, :K]
     levels = cb.to(dtype).float()[None, :]

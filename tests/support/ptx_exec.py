@@ -1,8 +1,9 @@
 """Runs a straight-line inline-PTX block on the CPU, element-wise over int64 tensors, for the
 instruction subset the decode kernels' inline PTX uses: mov, and, or, shl, shr, sub, prmt
-(default and sign-replicate selectors), lop3, setp.lt.u32 / selp, cvt.f32.f16 and
-fma.rn.{f16x2,bf16x2} (each half rounded once, as the hardware does). It checks the PTX
-text that `tl.inline_asm_elementwise` hands to ptxas, not a re-implementation of it."""
+(default and sign-replicate selectors), lop3, bfe.u32, bfi.b32, mad.lo.u32, setp.lt.u32 /
+selp, cvt.f32.f16, fma.rn.{f16x2,bf16x2} (each half rounded once, as the hardware does), and
+ld.shared.b32 / ld.shared.v2.b32 from a given shared memory. It checks the PTX text that
+`tl.inline_asm_elementwise` hands to ptxas, not a re-implementation of it."""
 
 from __future__ import annotations
 
@@ -50,9 +51,15 @@ def _halves_fma(a, b, c, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def run(asm: str, operands: dict[int, torch.Tensor], outputs: int) -> list[torch.Tensor]:
+def run(
+    asm: str,
+    operands: dict[int, torch.Tensor],
+    outputs: int,
+    shared: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
     """Execute `asm` with ``$i`` = ``operands[i]`` (int64 tensors of 32-bit values, one shape);
-    returns ``$0 .. $(outputs - 1)``."""
+    returns ``$0 .. $(outputs - 1)``. ``shared``: the 32-bit words of shared memory (int64,
+    word i at byte address 4 i) that ``ld.shared`` reads."""
     shape = next(iter(operands.values())).shape
     regs: dict[str, torch.Tensor] = {f"${i}": v & _MASK32 for i, v in operands.items()}
 
@@ -73,6 +80,13 @@ def run(asm: str, operands: dict[int, torch.Tensor], outputs: int) -> list[torch
             continue
         op, _, rest = stmt.partition(" ")
         args = [a.strip() for a in re.split(r",(?![^{]*})", rest)]
+        if op.startswith("ld.shared"):  # [t]: a byte address, 4-aligned
+            at = val(args[1].strip("[] ")) // 4
+            dests = [t.strip() for t in args[0].strip("{} ").split(",")]
+            assert op in ("ld.shared.b32", "ld.shared.v2.b32") and shared is not None, op
+            for i, d in enumerate(dests):
+                regs[d] = shared[at + i]
+            continue
         if op == "mov.b32" and args[0].startswith("{"):  # unpack into two 16-bit registers
             lo, hi = (t.strip() for t in args[0].strip("{} ").split(","))
             v = val(args[1])
@@ -91,6 +105,14 @@ def run(asm: str, operands: dict[int, torch.Tensor], outputs: int) -> list[torch
             r = val(srcs[0]) >> val(srcs[1])
         elif op == "sub.u32":
             r = (val(srcs[0]) - val(srcs[1])) & _MASK32
+        elif op == "mad.lo.u32":
+            r = (val(srcs[0]) * val(srcs[1]) + val(srcs[2])) & _MASK32
+        elif op == "bfe.u32":
+            r = (val(srcs[0]) >> val(srcs[1])) & ((1 << val(srcs[2])) - 1)
+        elif op == "bfi.b32":  # d = b with bits pos .. pos + len - 1 taken from a's low bits
+            a, b, pos, n = (val(t) for t in srcs)
+            field = ((1 << n) - 1) << pos
+            r = (b & ~field | (a << pos) & field) & _MASK32
         elif op == "prmt.b32":
             r = _prmt(val(srcs[0]), val(srcs[1]), val(srcs[2]))
         elif op == "lop3.b32":

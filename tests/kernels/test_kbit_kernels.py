@@ -405,14 +405,14 @@ def test_mma_lookup_math_on_cpu(bits, dtype):
     """The mma kernel's decode on the CPU through the PTX it runs (`ptx_exec`): lane 4g + c of
     columns g and g + 8 takes its word of 4 blocks at the kernel's address (K = 4, 5: field
     word c; K = 2, 3: word c // 2, K = 3's shifted right by 16 (c % 2); K = 3, 5 also the
-    1-bit word shifted by 8 c), K = 2's words paired by `PAIR_COLUMNS_ASM`, and each step's
-    `_lookup_asm` reads the table laid out in shared memory as the kernel fills it (copy
-    lane % copies); register p = 2 h + e holds elements 8c + 4v + 2e, + 1 of column g + 8h,
-    and the E4M4 byte shifted left by 6 is the fp16 absmax / 16. The weight rebuilt from the
-    A registers is the reference's (levels rounded to `dtype` once)."""
+    1-bit word shifted by 8 c), and each step's `_lookup_asm` reads the table laid out in
+    shared memory as the kernel fills it (copy lane % copies); register p = 2 h + e holds
+    elements 8c + 4v + 2e, + 1 of column g + 8h, and the E4M4 byte shifted left by 6 is the
+    fp16 absmax / 16. The weight rebuilt from the A registers is the reference's (levels
+    rounded to `dtype` once)."""
     import ptx_exec
 
-    from quantfw.kernels.kbit.triton.mma import PAIR_COLUMNS_ASM, _lookup_asm, lookup_table
+    from quantfw.kernels.kbit.triton.mma import _lookup_asm, lookup_table
 
     N, K = 24, 256
     planes, absmax, cb, ref = random_weight(N, K, bits, seed=bits + 11)
@@ -440,8 +440,6 @@ def test_mma_lookup_math_on_cpu(bits, dtype):
         if bits == 3:
             words = words >> (16 * (c % 2))
         w0, w1 = words[cols_g], words[cols_g + 8]
-        if bits == 2:
-            w0, w1 = ptx_exec.run(PAIR_COLUMNS_ASM.value, {2: w0, 3: w1}, 2)
         lane = 4 * (cols_g % 16) + c
         base = ((lane % copies) * 4 * ew)[:, None].expand(-1, kbp)
         ops = {

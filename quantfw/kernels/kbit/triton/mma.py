@@ -18,10 +18,7 @@ every byte it reads is used:
 
 * K = 4: byte ``2v`` of word c (elements ``8c + 4v``, ``+1``) is A register (k 2c), byte
   ``2v + 1`` register (k 2c + 8).
-* K = 2: byte ``2 (c % 2) + v`` of word ``c // 2`` holds the 4 elements. `pair_columns`
-  puts the low nibbles of columns g's and g + 8's bytes in one byte and the high nibbles in
-  another, so that each 8-byte entry is A registers (k 2c) or (k 2c + 8) of both columns,
-  side by side as the mma takes them (an entry per column would need register moves).
+* K = 2: byte ``2 (c % 2) + v`` of word ``c // 2`` holds the 4 elements: both registers.
 * K = 5: as K = 4, with the two elements' 1-bit fields as index bits 8, 9; K = 3: the nibble
   of the two 2-bit fields (of K = 2's byte), the 1-bit fields as index bits 4, 5.
 
@@ -109,16 +106,14 @@ def _lookup_asm(bits: int, r: int, v: int, copies: int) -> str:
     """PTX: A registers $0..$3 of block ``r`` (of the bundles) and step ``v`` for the columns
     g (field-word bundle $4..$7, 1-bit-word bundle $12..$15) and g + 8 ($8..$11, $16..$19);
     $20: the lane's table base address, $24, $25 (K = 2): its byte selectors of steps 0 and 1.
-    Register p = 2 h + e holds elements ``8c + 4v + 2e``, ``+ 1`` of column g + 8h.  At K = 2
-    the bundles are `pair_columns`' (e = 0: $4..$7, e = 1: $8..$11): an 8-byte entry fills
-    registers e and 2 + e, the pair the mma takes side by side as its A registers 2e, 2e + 1."""
+    Register p = 2 h + e holds elements ``8c + 4v + 2e``, ``+ 1`` of column g + 8h."""
     stride = 4 * copies * (2 if bits == 2 else 1)  # bytes per table entry, all copies
     load = f"mad.lo.u32 t, t, {stride}, $20; ld.shared.b32"
-    if bits == 2:  # a byte: two fields of column g (low nibble), the same two of g + 8
+    if bits == 2:  # registers 0, 1 (column g) and 2, 3 (g + 8): one 8-byte entry each
         out = [
-            f"prmt.b32 t, ${4 * (e + 1) + r}, 0, ${24 + v}; mad.lo.u32 t, t, {stride}, $20;"
-            f" ld.shared.v2.b32 {{${e}, ${2 + e}}}, [t];"
-            for e in range(2)
+            f"prmt.b32 t, ${4 * (h + 1) + r}, 0, ${24 + v}; mad.lo.u32 t, t, {stride}, $20;"
+            f" ld.shared.v2.b32 {{${2 * h}, ${2 * h + 1}}}, [t];"
+            for h in range(2)
         ]
     elif bits == 4:  # the byte 2v + e of the word
         out = [
@@ -184,26 +179,6 @@ def _lookup(
     return gl.inline_asm_elementwise(
         asm, _LOOKUP_CONSTRAINTS, [w0, w1, h0, h1, lb, sel], dtype=gl.int32, is_pure=True,
         pack=4,
-    )  # fmt: skip
-
-
-#: PTX of `pair_columns`: lop3 0xE4 is (a & c) | (b & ~c)
-PAIR_COLUMNS_ASM = gl.constexpr(
-    "{ .reg .b32 t; shl.b32 t, $3, 4; lop3.b32 $0, $2, t, 0x0F0F0F0F, 0xE4;\n"
-    "shr.u32 t, $2, 4; lop3.b32 $1, t, $3, 0x0F0F0F0F, 0xE4; }"
-)
-
-
-@gluon.jit
-def pair_columns(w0, w1):
-    """K = 2's lookup bytes from the field words of columns g (``w0``) and g + 8 (``w1``):
-    byte k of the first holds the low nibbles of the two words' bytes k (the fields of their
-    first two elements; column g's as its low nibble), byte k of the second their high
-    nibbles, so that one table entry (`lookup_table`: a byte's four fields in order) is the
-    same A register of both columns. Two instructions a word (a shift and a `lop3`)."""
-    return gl.inline_asm_elementwise(
-        PAIR_COLUMNS_ASM, "=r,=r,r,r", [w0, w1], dtype=(gl.int32, gl.int32), is_pure=True,
-        pack=1,
     )  # fmt: skip
 
 
@@ -292,8 +267,6 @@ def _chunk(
             w1 = ws[NW * (rr // SCALE_BLOCKS) + 2 * j + 1]
             h0 = ws[NW * (rr // SCALE_BLOCKS) + (NW - 8) + 2 * j]  # K = 2, 4: unused
             h1 = ws[NW * (rr // SCALE_BLOCKS) + (NW - 8) + 2 * j + 1]
-            if BITS == 2:  # the same for every block of the quad: computed once
-                w0, w1 = pair_columns(w0, w1)
             for v in gl.static_range(2):
                 a = _lookup(w0, w1, h0, h1, lb, sel, rr % SCALE_BLOCKS, v, BITS, COPIES)
                 if TM == 8:

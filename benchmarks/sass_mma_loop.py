@@ -7,8 +7,9 @@ with W13's SwiGLU): registers, shared memory, the SASS instructions of the loop 
 iteration: each warp one chunk of 4 blocks x 64 columns, 8192 weights, 32 `HMMA`) by opcode,
 and the share of the GPU's peak issue rate (SMs x 4 schedulers x clock, one warp instruction a
 cycle each) that those instructions take when the weights stream at the given bandwidth. A
-share near or above 1 means the kernel is bound by instruction issue, not by memory
-(benchmarks/kbit-lab-log.md §25).
+share near or above 1 is a bound no schedule beats (K = 3 and 5 at the H200's bandwidth); below
+it the time is set by latency at the kernel's occupancy, and fewer instructions need not help
+(benchmarks/kbit-lab-log.md §25: 7% fewer at K = 2 lost 4% end to end).
 
     python benchmarks/sass_mma_loop.py                     # H200: 4.25 TB/s, 132 SMs, 1.98 GHz
     python benchmarks/sass_mma_loop.py --bandwidth 3.0     # H100 SXM

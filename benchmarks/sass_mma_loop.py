@@ -44,11 +44,13 @@ def variants() -> list[tuple[str, int, dict]]:
     base = dict(W=4, CH=4, TM=8, PIPE=False, MASK_N=False, MASK_K=False, HAS_BIAS=False,
                 IS_BF16=False, UE8M0=False, GROUPED=False, GATHER=False, PDL=True, WK=4,
                 LATE_RELEASE=False)  # fmt: skip
-    copies = {2: 16, 3: 32, 4: 32, 5: 8}
+    from quantfw.kernels.kbit import configs
+
     out = []
     for bits in (2, 3, 4, 5):
+        copies = configs.default_config(1, 0, 0, bits)[4]  # the default's table copies
         for split, act, name in ((2, 0, "split K"), (1, 1, "gate_up + SiLU")):
-            consts = {**base, "SPLIT": split, "ACT": act, "COPIES": copies[bits], "BITS": bits,
+            consts = {**base, "SPLIT": split, "ACT": act, "COPIES": copies, "BITS": bits,
                       "TMA": bits != 3}  # fmt: skip
             out.append((f"kbit K={bits} {name}", bits, consts))
     mx = {**base, "SPLIT": 1, "ACT": 2, "COPIES": 32, "BITS": 4, "TMA": True, "MASK_K": True,

@@ -76,8 +76,11 @@ def compile_variant(bits: int, consts: dict) -> tuple[str, int, int]:
         mw = 16 if bits >= 4 else 8
         sig["w_desc"] = f"tensordesc<i32[64, {mw}],{slot!r}>"
         sig["o_desc"] = f"tensordesc<i32[64, 4],{slot!r}>"
+        sig["s_desc"] = f"tensordesc<i32[64, 4],{slot!r}>"
+        # Qwen3-8B's K: whole 16-byte scale rows, staged in dense launches (not grouped ones)
+        consts = {**consts, "S_TMA": not consts["GROUPED"]}
     else:
-        consts = {**consts, "w_desc": None, "o_desc": None}
+        consts = {**consts, "w_desc": None, "o_desc": None, "s_desc": None}
     kernel = compile_for_sm90(
         KM.kbit_mma_kernel, sig, consts, aligned=ALIGNED, num_warps=4, launch_pdl=True
     )

@@ -261,7 +261,7 @@ def test_mma_kernel_compiles_for_sm90_without_a_gpu(bits, tm, copies, mxfp4, wk,
     consts = dict(W=4, CH=4, TM=tm, SPLIT=1 if act else 2, COPIES=copies, BITS=bits,
                   PIPE=False, MASK_N=True, MASK_K=True, HAS_BIAS=True, IS_BF16=bits == 2,
                   UE8M0=mxfp4, GROUPED=mxfp4, GATHER=mxfp4, PDL=True, WK=wk, ACT=act,
-                  LATE_RELEASE=late, TMA=False, w_desc=None, o_desc=None)  # fmt: skip
+                  LATE_RELEASE=late, TMA=False, w_desc=None, o_desc=None, s_desc=None)  # fmt: skip
     kernel = compile_for_sm90(KM.kbit_mma_kernel, _MMA_SIGNATURE, consts, num_warps=4,
                               launch_pdl=True)  # fmt: skip
     entries = {2: 256, 3: 64, 4: 256, 5: 1024}[bits]
@@ -290,17 +290,19 @@ def test_mma_kernel_compiles_for_sm90_without_a_gpu(bits, tm, copies, mxfp4, wk,
         assert len(re.findall(r"\bld\.global", ptx[:wait])) >= (18 if bits % 2 else 10)
 
 
-@pytest.mark.parametrize(
-    "bits,grouped", [(4, False), (4, True), (2, False), (3, False), (5, False)]
-)
-def test_mma_kernel_tma_staging_compiles_for_sm90_without_a_gpu(bits, grouped):
+@pytest.mark.parametrize("bits,grouped,scales", [
+    (4, False, True), (4, True, True), (2, False, True), (3, False, False), (5, False, True),
+    (4, False, False),
+])  # fmt: skip
+def test_mma_kernel_tma_staging_compiles_for_sm90_without_a_gpu(bits, grouped, scales):
     """With ``TMA`` (sm_90) the weight words come through shared-memory slots that TMA fills
     with the CTA's next iteration: 4 boxes [64 rows, a quad's field words] (16 words a row at
     K = 4, 5, 8 at K = 2, 3) and at K = 3, 5 4 boxes [64, 4] of 1-bit words; no 16-byte
     register loads of weights are left, the slots sit after the table (which the lookups
     address at ``global_smem``; K = 3's padded to 16 KB), one mbarrier; a dense launch issues
     its first copies before the PDL wait, a grouped one after it (its expert comes from the
-    sort)."""
+    sort). ``scales`` (``S_TMA``): the scale words come by a fifth box [64, 4] into a slot of
+    their own, and no global load of a scale is left in the loop (only x's)."""
     pytest.importorskip("triton")
     from aot import compile_for_sm90
     from triton.experimental.gluon import language as gl
@@ -310,21 +312,26 @@ def test_mma_kernel_tma_staging_compiles_for_sm90_without_a_gpu(bits, grouped):
     slot = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     mw = 16 if bits >= 4 else 8
     signature = {**_MMA_SIGNATURE, "w_desc": f"tensordesc<i32[64, {mw}],{slot!r}>",
-                 "o_desc": f"tensordesc<i32[64, 4],{slot!r}>"}  # fmt: skip
+                 "o_desc": f"tensordesc<i32[64, 4],{slot!r}>",
+                 "s_desc": f"tensordesc<i32[64, 4],{slot!r}>"}  # fmt: skip
     copies = {2: 16, 3: 32, 4: 32, 5: 8}[bits]  # the defaults
     table = {2: 32768, 3: 16384, 4: 32768, 5: 32768}[bits]  # K = 3: 64 entries padded to 128
     consts = dict(W=4, CH=4, TM=8, SPLIT=1 if grouped else 2, COPIES=copies, BITS=bits, PIPE=False,
                   MASK_N=True, MASK_K=True, HAS_BIAS=True, IS_BF16=grouped, UE8M0=grouped,
                   GROUPED=grouped, GATHER=grouped, PDL=True, WK=4, ACT=2 if grouped else 0,
-                  LATE_RELEASE=False, TMA=True)  # fmt: skip
+                  LATE_RELEASE=False, TMA=True, S_TMA=scales)  # fmt: skip
     kernel = compile_for_sm90(KM.kbit_mma_kernel, signature, consts, num_warps=4,
                               launch_pdl=True)  # fmt: skip
-    assert kernel.metadata.shared == table + 4 * 64 * 4 * bits * 4 + 8
+    assert kernel.metadata.shared == table + 4 * 64 * 4 * bits * 4 + 8 + 1024 * scales
     ptx = kernel.asm["ptx"]
     first = ptx.index("cp.async.bulk.tensor.2d")
-    # 4 boxes (8 at K = 3, 5) at each of: the first copies, the loop's refill, the last
-    # chunk's (predicated off)
-    assert ptx.count("cp.async.bulk.tensor.2d") == 12 * (1 + bits % 2)
+    # 4 boxes (8 at K = 3, 5; one more for the scales) at each of: the first copies, the
+    # loop's refill, the last chunk's (predicated off)
+    assert ptx.count("cp.async.bulk.tensor.2d") == 3 * (4 * (1 + bits % 2) + scales)
+    loop = ptx[ptx.index("mbarrier.try_wait") :]
+    # from the first wait on: x's loads (a 16-byte bundle a block, 4 words in this compile
+    # without the JIT's divisibility) and, unless staged, the scales' (8 a quad)
+    assert len(re.findall(r"\bld\.global\.b32 ", loop)) == 16 + (0 if scales else 8)
     assert re.search(rf"add\.s32\s+%r\d+, %r\d+, {table};", ptx[:first])  # slot after the table
     assert "mbarrier.try_wait" in ptx and not re.search(r"ld\.global[.\w]*\.v4", ptx)
     assert (first < ptx.index("griddepcontrol.wait")) != grouped
@@ -367,6 +374,25 @@ def test_tma_staging_rule(monkeypatch):
     assert not KM.tma_staging(torch.device("cpu"), 4, 8, 4, 4, 4, 32)
     monkeypatch.setattr(KM, "cuda_capability", lambda device: (8, 9))
     assert not KM.tma_staging(cuda, 4, 8, 4, 4, 4, 32)
+
+
+def test_scale_staging_rule():
+    """`mma.scales_by_tma`: a staged launch's scale words come by TMA where a box row (``wk``
+    words) is 16 bytes or more and rows are whole 16-byte units (K padded to a multiple of
+    512: Qwen3-8B's and GPT-OSS-20B's K); a launch that asks for it elsewhere is refused."""
+    pytest.importorskip("triton")
+    from quantfw.kernels.kbit.triton import mma as KM
+
+    for kbs, wk, ok in ((32, 4, True), (24, 4, True), (96, 8, True), (34, 4, False),
+                        (2, 4, False), (32, 2, False)):  # fmt: skip
+        assert KM.scales_by_tma(torch.zeros(64, kbs, dtype=torch.int32), wk) == ok, (kbs, wk)
+    assert not KM.scales_by_tma(torch.zeros(64, 40, dtype=torch.int32)[:, :32], 4)
+    w = kbit.repack_weight(*random_weight(128, 4160, 4, seed=0)[:3])  # 34 scale words a row
+    x = torch.randn(1, 4160, dtype=torch.float16)
+    lut = torch.zeros(256, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"scale words \(128, 34\).*cannot be staged"):
+        KM.kbit_mma_matmul(x, w.qweight, w.scales, lut, 128, 4, stage_by_tma=True,
+                           stage_scales=True)  # fmt: skip
 
 
 @pytest.mark.parametrize("blocks,kbp,tiles,warps,wk,chunk", [(384, 128, 1, 4, 4, 4),
@@ -583,7 +609,9 @@ def test_gpu_configs_match_reference(bits, N, K, dtype):
 def test_gpu_tma_staging_matches_register_loads(dtype, bits):
     """The TMA-staged weight words (sm_90) give the register-loaded kernel's sums: bit for
     bit where no split across CTAs reorders them (each column block's K in one CTA), else
-    within tolerance of the float64 reference; M = 1, 5, 8, bias, N past the last block."""
+    within tolerance of the float64 reference; M = 1, 5, 8, bias, N past the last block. With
+    K padded to a multiple of 512 (K = 512, 4608) the scale words are staged too, by default,
+    and the same with them staged or loaded (K = 4160: loaded)."""
     from quantfw.kernels.kbit.triton import dispatch
     from quantfw.kernels.kbit.triton import mma as KM
 
@@ -591,26 +619,31 @@ def test_gpu_tma_staging_matches_register_loads(dtype, bits):
     if not KM.tma_staging(torch.device("cuda"), 4, 8, 4, 4, 4, 32):
         pytest.skip("TMA staging needs sm_90+")
     gen = torch.Generator(device="cuda").manual_seed(7)
-    for N, K in ((24576, 512), (1000, 4160)):  # 384 column blocks: no split; 16: split
-        planes, absmax, cb, ref = random_weight(N, K, bits, seed=N, device="cuda")
+    # 384 column blocks: no split; 16: split
+    for N, K in ((24576, 512), (1000, 4160), (1000, 4608)):
+        planes, absmax, cb, ref = random_weight(N, K, bits, seed=N + K, device="cuda")
         w = kbit.repack_weight(planes, absmax, cb)
         lut = dispatch._lookup_table(w, dtype)
+        staged = KM.scales_by_tma(w.scales.view(torch.int32), 4)
+        assert staged == (K % 512 == 0)
         for M in (1, 5, 8):
             x = torch.randn(M, K, device="cuda", generator=gen).to(dtype)
             bias = torch.randn(N, device="cuda", generator=gen).to(dtype)
             opts = dict(ctas_per_sm=3, copies=copies)
+            modes = [dict(stage_by_tma=False), dict(stage_by_tma=True)]
+            if staged:
+                modes.append(dict(stage_by_tma=True, stage_scales=False))
             runs = [
-                KM.kbit_mma_matmul(
-                    x, w.qweight, w.scales, lut, N, bits, bias, **opts, stage_by_tma=on
-                )  # fmt: skip
-                for on in (False, True)
+                KM.kbit_mma_matmul(x, w.qweight, w.scales, lut, N, bits, bias, **opts, **mode)
+                for mode in modes
             ]
             want = x.double() @ ref.double().t() + bias.double()
             what = f"bits={bits} N={N} K={K} M={M} {dtype}"
-            assert torch.isfinite(runs[1]).all(), what
-            assert _rel(runs[1], want) < TOL[dtype], what
+            for run in runs[1:]:
+                assert torch.isfinite(run).all(), what
+                assert _rel(run, want) < TOL[dtype], what
             if N == 24576:
-                assert torch.equal(runs[0], runs[1]), what
+                assert all(torch.equal(runs[0], run) for run in runs[1:]), what
 
 
 @gpu

@@ -44,7 +44,9 @@ one iteration (WK boxes of [64 rows, a quad's field words], 8 or 16 words a row,
 WK boxes of its four 1-bit words into a second slot) land in shared memory on an mbarrier;
 the warps copy them to registers (at K = 2, 3 lanes c and c + 1 read the same word, as their
 register loads do), a CTA barrier frees the slots, and TMA refills them with the next
-iteration while this one computes (`_tma_words`).
+iteration while this one computes (`_tma_words`). Dense launches stage the iteration's scale
+words the same way (one [64 rows, WK words] box, ``S_TMA``, where the scale rows are whole
+16-byte units: `scales_by_tma`); grouped ones load them.
 
 MXFP4 blocks are kbit K = 4 blocks byte for byte (16 bytes, element 2i in the low nibble of
 byte i), so `mxfp4.layout` only pads and quad-interleaves them, and the table holds the E2M1
@@ -329,16 +331,20 @@ def _gated_epilogue(
 
 @gluon.jit
 def _tma_stage(
-    it, w_desc, o_desc, w_slot, o_slot, bar, wrow, sp, n_iter, SPLIT: gl.constexpr,
-    WK: gl.constexpr, BITS: gl.constexpr,
+    it, w_desc, o_desc, s_desc, w_slot, o_slot, s_slot, bar, wrow, sp, n_iter,
+    SPLIT: gl.constexpr, WK: gl.constexpr, BITS: gl.constexpr, S_TMA: gl.constexpr,
 ):  # fmt: skip
     """TMA copies of iteration ``it``'s weight words (if it exists) into the CTA's slots: per
     warp ``ks`` its quad ``(it SPLIT + sp) WK + ks`` (zeros past K) of 4 K words a row, as a
     [64 rows, MW] box of field words and at K = 3, 5 a [64, 4] box of 1-bit words (into
-    `o_slot`), all landing on ``bar``."""
+    `o_slot`); with ``S_TMA`` the quads' scale words, one [64 rows, WK] box (word ks = warp
+    ks's quad) into `s_slot`; all landing on ``bar``."""
     MW: gl.constexpr = w_slot.shape[2]
     ok = it < n_iter
-    mbarrier.expect(bar, WK * 64 * 4 * BITS * 4, pred=ok)
+    if S_TMA:
+        mbarrier.expect(bar, WK * 64 * 4 * BITS * 4 + 64 * WK * 4, pred=ok)
+    else:
+        mbarrier.expect(bar, WK * 64 * 4 * BITS * 4, pred=ok)
     for ks in gl.static_range(WK):
         col = ((it * SPLIT + sp) * WK + ks) * (4 * BITS)
         tma.async_copy_global_to_shared(w_desc, [wrow, col], bar, w_slot.index(ks), pred=ok)
@@ -346,6 +352,31 @@ def _tma_stage(
             tma.async_copy_global_to_shared(
                 o_desc, [wrow, col + MW], bar, o_slot.index(ks), pred=ok
             )
+    if S_TMA:
+        tma.async_copy_global_to_shared(
+            s_desc, [wrow, (it * SPLIT + sp) * WK], bar, s_slot, pred=ok
+        )
+
+
+@gluon.jit
+def _slot_scales(s_slot, WK: gl.constexpr, L3: gl.constexpr):
+    """The two scale bundles of `_load_scales` out of a [64 rows, WK words] slot: bundle h,
+    register r3 of lane 4 g + c in warp ks is word ks of row 32 h + 16 (r3 // 2) + 8 (r3 % 2)
+    + g (lanes c = 0..3 read one word, a broadcast)."""
+    # the slot as [h, r3 // 2, r3 % 2, g, c (1), ks]
+    rows = s_slot._reinterpret(
+        gl.int32, [2, 2, 2, 8, 1, WK], gl.SwizzledSharedLayout(1, 1, 1, order=[5, 4, 3, 2, 1, 0])
+    )
+    L6: gl.constexpr = gl.BlockedLayout(
+        [1, 1, 1, 1, 2, 2], [1, 1, 8, 4, 1, 1], [WK, 1, 1, 1, 1, 1], [5, 4, 3, 2, 1, 0]
+    )
+    ss = ()
+    for h in gl.static_range(2):
+        # [ks, h (1), g, c (1), r3 // 2, r3 % 2]
+        b = rows.slice(h, 1, dim=0).permute([5, 0, 3, 4, 1, 2]).load(L6)
+        b = gl.broadcast(b, gl.full([WK, 1, 8, 4, 2, 2], 0, gl.int32, L6))[0]
+        ss = ss + (gl.convert_layout(gl.reshape(b, [WK, 32, 4]), L3),)
+    return ss
 
 
 @gluon.jit
@@ -374,12 +405,14 @@ def _pair_words(slot, jt: gl.constexpr, SHIFT: gl.constexpr, WK: gl.constexpr, L
 
 @gluon.jit
 def _tma_words(
-    it, w_desc, o_desc, w_slot, o_slot, bar, wrow, sp, n_iter, L3: gl.constexpr,
-    SPLIT: gl.constexpr, WK: gl.constexpr, BITS: gl.constexpr,
+    it, w_desc, o_desc, s_desc, w_slot, o_slot, s_slot, bar, wrow, sp, n_iter,
+    L3: gl.constexpr, SPLIT: gl.constexpr, WK: gl.constexpr, BITS: gl.constexpr,
+    S_TMA: gl.constexpr,
 ):  # fmt: skip
-    """Iteration ``it``'s weight bundles (as `_load_weights` returns them for one quad) out of
-    the slots once their copies have landed; the slots are then refilled with iteration it +
-    1, whose copies run during this iteration's math."""
+    """Iteration ``it``'s weight bundles (as `_load_weights` returns them for one quad) and,
+    with ``S_TMA``, its scale bundles (else ``()``) out of the slots once their copies have
+    landed; the slots are then refilled with iteration it + 1, whose copies run during this
+    iteration's math."""
     MW: gl.constexpr = w_slot.shape[2]
     mbarrier.wait(bar, it & 1)
     ws = ()
@@ -400,9 +433,15 @@ def _tma_words(
     if BITS % 2 == 1:  # the 1-bit words' bundles, lane c's byte c at bit 0
         for jt in gl.static_range(8):
             ws = ws + (_pair_words(o_slot, jt, 8, WK, L3),)
+    ss = ()
+    if S_TMA:
+        ss = _slot_scales(s_slot, WK, L3)
     gl.thread_barrier()  # every warp holds its words: the slots may be refilled
-    _tma_stage(it + 1, w_desc, o_desc, w_slot, o_slot, bar, wrow, sp, n_iter, SPLIT, WK, BITS)
-    return ws
+    _tma_stage(
+        it + 1, w_desc, o_desc, s_desc, w_slot, o_slot, s_slot, bar, wrow, sp, n_iter, SPLIT,
+        WK, BITS, S_TMA,
+    )  # fmt: skip
+    return ws, ss
 
 
 @gluon.jit
@@ -447,6 +486,7 @@ def kbit_mma_kernel(
     act_limit,
     w_desc,  # TMA: descriptor of qweight as [(E *) N_pad, KBP * BITS] int32, box [64, 16 or 8]
     o_desc,  # TMA at K = 3, 5: the same in boxes [64, 4] (the 1-bit words)
+    s_desc,  # S_TMA: descriptor of the scales as int32 [(E *) N_pad, KBS], box [64, WK]
     W: gl.constexpr,  # warps per CTA, each on one 64-column block
     CH: gl.constexpr,  # blocks per chunk (a multiple of 4)
     TM: gl.constexpr,  # tokens per CTA tile: 8 or 16
@@ -466,6 +506,7 @@ def kbit_mma_kernel(
     ACT: gl.constexpr = 0,  # a gated pair (`_gated_epilogue`): 1 SiLU-and-mul, 2 GPT-OSS SwiGLU
     LATE_RELEASE: gl.constexpr = False,  # PDL: let the next kernel launch once K is streamed
     TMA: gl.constexpr = False,  # weight words staged by TMA in a shared-memory slot
+    S_TMA: gl.constexpr = False,  # with TMA, the scale words too (rows of 16-byte multiples)
 ):
     L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [W, 1, 1], [2, 1, 0])
     EW: gl.constexpr = 2 if BITS == 2 else 1  # table words per entry
@@ -545,13 +586,21 @@ def kbit_mma_kernel(
             o_slot = gl.allocate_shared_memory(gl.int32, [WK, 64, 4], o_desc.layout)
         else:
             o_slot = w_slot
+        if S_TMA:
+            s_slot = gl.allocate_shared_memory(gl.int32, [64, WK], s_desc.layout)
+        else:
+            s_slot = w_slot
         bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(bar, count=1)
         wrow = gl.program_id(0) * 64
         if GROUPED:
             wrow = expert * (NB * 64) + wrow
-        _tma_stage(0, w_desc, o_desc, w_slot, o_slot, bar, wrow, sp, n_iter, SPLIT, WK, BITS)
-        ss = _load_scales(s_ptr, b0, s_off, nb_ok, KBP, KBS, MASK_K)
+        _tma_stage(
+            0, w_desc, o_desc, s_desc, w_slot, o_slot, s_slot, bar, wrow, sp, n_iter, SPLIT,
+            WK, BITS, S_TMA,
+        )  # fmt: skip
+        if not S_TMA:
+            ss = _load_scales(s_ptr, b0, s_off, nb_ok, KBP, KBS, MASK_K)
     else:
         ws, ss = _load_weights(
             q_ptr, s_ptr, b0, q_off, h_off, c, s_off, nb_ok, KBP, KBS, CH, BITS, MASK_K
@@ -581,11 +630,15 @@ def kbit_mma_kernel(
     for it in range(n_iter - 1):  # the last chunk after the loop: no loads past the plan
         b_next = b0 + (it + 1) * SPLIT * WK * CH
         if TMA:
-            ws = _tma_words(
-                it, w_desc, o_desc, w_slot, o_slot, bar, wrow, sp, n_iter, L3, SPLIT, WK, BITS
-            )
+            ws, sst = _tma_words(
+                it, w_desc, o_desc, s_desc, w_slot, o_slot, s_slot, bar, wrow, sp, n_iter, L3,
+                SPLIT, WK, BITS, S_TMA,
+            )  # fmt: skip
+            if S_TMA:
+                ss = sst
             accs = _chunk(ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16, UE8M0)
-            ss = _load_scales(s_ptr, b_next, s_off, nb_ok, KBP, KBS, MASK_K)
+            if not S_TMA:
+                ss = _load_scales(s_ptr, b_next, s_off, nb_ok, KBP, KBS, MASK_K)
             xs = _load_x(x_ptr, b_next, x_off, x_pair, K2, CH, TM)
         elif PIPE:  # the next chunk's loads before this chunk's math
             nws, nxs, nss = _load_chunk(
@@ -603,9 +656,12 @@ def kbit_mma_kernel(
                 KBP, KBS, K2, CH, TM, BITS, MASK_K,
             )  # fmt: skip
     if TMA:
-        ws = _tma_words(
-            n_iter - 1, w_desc, o_desc, w_slot, o_slot, bar, wrow, sp, n_iter, L3, SPLIT, WK, BITS
-        )
+        ws, sst = _tma_words(
+            n_iter - 1, w_desc, o_desc, s_desc, w_slot, o_slot, s_slot, bar, wrow, sp, n_iter,
+            L3, SPLIT, WK, BITS, S_TMA,
+        )  # fmt: skip
+        if S_TMA:
+            ss = sst
         mbarrier.invalidate(bar)  # its bytes may be reused by the sums below
     accs = _chunk(ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16, UE8M0)
     if LATE_RELEASE:
@@ -718,10 +774,22 @@ def tma_staging(
     return _table_entries(bits) * copies * entry_bytes > wk * 64 * 4 * bits * 4
 
 
+def scales_by_tma(scales_int32: torch.Tensor, wk: int) -> bool:
+    """Whether a TMA-staged launch copies its scale words by TMA too: a box row of ``wk``
+    words must be 16 bytes or more, and the rows (and the base) 16-byte aligned, i.e. K padded
+    to a multiple of 512."""
+    return (
+        wk * 4 >= 16
+        and scales_int32.shape[-1] % 4 == 0
+        and scales_int32.is_contiguous()
+        and scales_int32.data_ptr() % 16 == 0
+    )
+
+
 def _launch(
     x2, qweight, scales, lut, rows, N, bits, bias, tm, token_tiles, *, group=None, ue8m0=False,
     planned_tiles=None, warps=4, chunk=4, ctas_per_sm=4, copies=1, pipe=False, maxnreg=None,
-    wk=None, act=None, stage_by_tma=None, owner=None,
+    wk=None, act=None, stage_by_tma=None, stage_scales=None, owner=None,
 ):  # fmt: skip
     """One launch of `kbit_mma_kernel` over ``token_tiles`` tiles of ``tm`` tokens, into a new
     output of ``rows`` rows in x's dtype (the split
@@ -741,8 +809,11 @@ def _launch(
     §16; grouped MXFP4 launches keep the early release, not measured).
 
     ``stage_by_tma``: the weight words come through a TMA-filled shared-memory slot instead of
-    register loads (None: `tma_staging` decides); ``owner``: the object holding qweight, which
-    keeps its TMA descriptor (`common.tma.words_descriptor`)."""
+    register loads (None: `tma_staging` decides); ``stage_scales``: with it, the scale words
+    too (None: dense launches where `scales_by_tma` allows, 1.08-1.13x on the one-token K = 4
+    GEMMs; grouped launches load them, 0.87x staged on MXFP4 experts: kbit-lab-log §26);
+    ``owner``: the object holding qweight, which keeps its TMA descriptors
+    (`common.tma.words_descriptor`)."""
     _check_options(bits, chunk, copies)
     K = x2.shape[1]
     n_pad, kbp = qweight.shape[-2], qweight.shape[-1] // bits
@@ -764,11 +835,21 @@ def _launch(
     sw = scales.view(torch.int32)
     if stage_by_tma is None:
         stage_by_tma = tma_staging(x2.device, bits, tm, warps, wk, chunk, copies)
-    w_desc = o_desc = None
+    w_desc = o_desc = s_desc = None
+    if stage_scales is None:
+        stage_scales = stage_by_tma and not grouped and scales_by_tma(sw, wk)
+    elif stage_scales and not (stage_by_tma and scales_by_tma(sw, wk)):
+        raise ValueError(
+            f"kbit mma kernel: scale words {tuple(sw.shape)} (int32) with wk={wk} cannot be "
+            f"staged by TMA (weights staged: {stage_by_tma}): it needs the weights' staging, "
+            "rows of a multiple of 4 words (K padded to 512) and wk >= 4"
+        )
     if stage_by_tma:  # a warp's boxes: 64 rows of a quad's field words, and 1-bit words
         words = qweight.view(-1, qweight.shape[-1])
         w_desc = words_descriptor(words, [64, 16 if bits >= 4 else 8], owner)
         o_desc = words_descriptor(words, [64, 4], owner) if bits % 2 else w_desc
+    if stage_scales:  # the CTA's box: 64 rows of its warps' quads' scale words
+        s_desc = words_descriptor(sw.view(-1, sw.shape[-1]), [64, wk], owner)
     kbit_mma_kernel[grid](
         x2.view(torch.int32), qweight, sw, lut, bias if has_bias else out, out, ws, cnt,
         block_expert, block_row, m_indptr, gather if gather is not None else out,
@@ -776,12 +857,13 @@ def _launch(
         qweight.shape[0] if grouped else 1, x2.stride(0) // 2, out.stride(0),
         qweight.stride(0) if grouped else 0, sw.stride(0) if grouped else 0,
         bias.stride(0) if grouped and has_bias else 0,
-        fn.alpha if fuse else 1.0, fn.clamp if fuse else 0.0, w_desc, o_desc,
+        fn.alpha if fuse else 1.0, fn.clamp if fuse else 0.0, w_desc, o_desc, s_desc,
         W=warps, CH=chunk, TM=tm, SPLIT=split, COPIES=copies, BITS=bits, PIPE=pipe,
         MASK_N=NB % wb != 0, MASK_K=split * n_iter * wk * chunk != kbp, WK=wk,
         HAS_BIAS=has_bias, IS_BF16=x2.dtype == torch.bfloat16, UE8M0=ue8m0,
         GROUPED=grouped, GATHER=gather is not None,
         ACT=_ACT_CODES[fn.kind] if fuse else 0, num_warps=warps, TMA=stage_by_tma,
+        S_TMA=stage_scales,
         LATE_RELEASE=fuse and not grouped and tiles > ctas_per_sm * sms,
         **pdl.launch_options(pdl.enabled(x2.device)),
         **({} if maxnreg is None else {"maxnreg": maxnreg}),
@@ -808,6 +890,7 @@ def kbit_mma_matmul(
     wk: int | None = None,
     act: tuple[GatedAct, int] | None = None,
     stage_by_tma: bool | None = None,
+    stage_scales: bool | None = None,
     owner: object | None = None,
 ) -> torch.Tensor:
     """out[M, N] = x2[M, K] @ W.T (+ bias) for a field-packed weight (``qweight``, ``scales``
@@ -817,14 +900,15 @@ def kbit_mma_matmul(
     memory (1..32, a power of two), ``warps`` 64-column blocks per CTA, ``maxnreg`` a cap on
     registers per thread (None: the compiler's choice), ``wk`` warps per 64-column block
     splitting its chunks (None: all ``warps``; see `_launch`); ``act``: a gated pair's
-    activation, out [M, N / 2] (see `_launch`); ``stage_by_tma``, ``owner``: see `_launch`."""
+    activation, out [M, N / 2] (see `_launch`); ``stage_by_tma``, ``stage_scales``,
+    ``owner``: see `_launch`."""
     x2 = as_int32_pairs(x2)
     M = x2.shape[0]
     tm = 8 if M <= 8 else 16
     return _launch(
         x2, qweight, scales, lut, M, N, bits, bias, tm, triton.cdiv(M, tm), warps=warps,
         chunk=chunk, ctas_per_sm=ctas_per_sm, copies=copies, pipe=pipe, maxnreg=maxnreg, wk=wk,
-        act=act, stage_by_tma=stage_by_tma, owner=owner,
+        act=act, stage_by_tma=stage_by_tma, stage_scales=stage_scales, owner=owner,
     )  # fmt: skip
 
 

@@ -379,7 +379,7 @@ def test_tma_staging_rule(monkeypatch):
 def test_scale_staging_rule():
     """`mma.scales_by_tma`: a staged launch's scale words come by TMA where a box row (``wk``
     words) is 16 bytes or more and rows are whole 16-byte units (K padded to a multiple of
-    512: Qwen3-8B's and GPT-OSS-20B's K); a launch that asks for it elsewhere is refused."""
+    512, as Qwen3-8B's are); a launch that asks for it elsewhere is refused."""
     pytest.importorskip("triton")
     from quantfw.kernels.kbit.triton import mma as KM
 

@@ -191,20 +191,26 @@ _WEIGHTS: dict = {}
 
 def _experts(e, n, k, dtype, quantized, seed):
     """Random experts [e, n, k] on the GPU (cached per shape: GPT-OSS's are large) and their
-    float32 dequantization."""
+    float32 dequantization. Quantized an expert at a time, in place: the quantizer's
+    temporaries for a whole GPT-OSS-20B W13 (530 M elements, GBs each) are the likely reason
+    two xdist workers held 36-38 GB each and ran the GPU out of memory
+    (benchmarks/results/scales-tma/gpu-tests-oom.log; not rerun on a GPU since)."""
     from quantfw.kernels.mxfp4 import grouped
 
     key = (e, n, k, dtype, quantized, seed)
     if key not in _WEIGHTS:
         _WEIGHTS.clear()  # keep one layer's worth of experts alive
+        torch.cuda.empty_cache()
         g = torch.Generator(device="cuda").manual_seed(seed)
         w = torch.randn(e, n, k, generator=g, device="cuda") * 0.05
         if quantized:
-            blocks, scales = mxfp4.quantize(w)
-            pair = (
-                grouped.Mxfp4Weights.pack(blocks, scales),
-                mxfp4.dequantize(blocks, scales, torch.float32),
-            )
+            parts = []
+            for ex in range(e):  # per block, so per expert gives the same bytes
+                parts.append(mxfp4.quantize(w[ex]))
+                w[ex] = mxfp4.dequantize(*parts[-1], torch.float32)
+            blocks = torch.stack([b for b, _ in parts])
+            scales = torch.stack([s for _, s in parts])
+            pair = (grouped.Mxfp4Weights.pack(blocks, scales), w)
         else:
             pair = (grouped.DenseWeights(w.to(dtype)), w.to(dtype).float())
         _WEIGHTS[key] = pair

@@ -340,11 +340,9 @@ def _tma_stage(
     `o_slot`); with ``S_TMA`` the quads' scale words, one [64 rows, WK] box (word ks = warp
     ks's quad) into `s_slot`; all landing on ``bar``."""
     MW: gl.constexpr = w_slot.shape[2]
+    NBYTES: gl.constexpr = WK * 64 * 4 * BITS * 4 + (64 * WK * 4 if S_TMA else 0)
     ok = it < n_iter
-    if S_TMA:
-        mbarrier.expect(bar, WK * 64 * 4 * BITS * 4 + 64 * WK * 4, pred=ok)
-    else:
-        mbarrier.expect(bar, WK * 64 * 4 * BITS * 4, pred=ok)
+    mbarrier.expect(bar, NBYTES, pred=ok)
     for ks in gl.static_range(WK):
         col = ((it * SPLIT + sp) * WK + ks) * (4 * BITS)
         tma.async_copy_global_to_shared(w_desc, [wrow, col], bar, w_slot.index(ks), pred=ok)

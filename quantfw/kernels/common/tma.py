@@ -1,7 +1,7 @@
-"""TMA descriptors of packed weight words: int32 rows copied into shared memory as they are
-(no swizzle), the layout the lookup and wgmma kernels read them in. A descriptor is kept on
-the object that owns the weight (built once: building descriptors and layouts cost tens of
-microseconds of host time a call, which eager calls pay)."""
+"""TMA descriptors of packed weight words (and scale words, read as int32): int32 rows copied
+into shared memory as they are (no swizzle), the layout the lookup and wgmma kernels read them
+in. A descriptor is kept on the object that owns the weight (built once: building descriptors
+and layouts cost tens of microseconds of host time a call, which eager calls pay)."""
 
 from __future__ import annotations
 

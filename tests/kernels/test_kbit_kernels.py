@@ -86,6 +86,30 @@ def test_cpu_matmul_matches_reference():
     assert "quantfw.kernels.kbit.triton.dispatch" not in sys.modules
 
 
+def test_token_tile_rule():
+    """9-16 tokens run as two 8-token tiles where those are staged and fill the GPU's CTA slots
+    better than one 16-token tile (132 SMs: Qwen3-8B's qkv and gate_up, whose 16-token plans
+    leave 27% of the slots empty), one 16-token tile elsewhere (o, down: both fill 97%)."""
+    pytest.importorskip("triton")
+    from quantfw.kernels.kbit.triton import mma as KM
+
+    shapes = {
+        "qkv": (6144, 4096),
+        "o": (4096, 4096),
+        "gate_up": (24576, 4096),
+        "down": (4096, 12288),
+    }
+    tiles = {
+        name: [KM.token_tile(M, n // 64, k // 32, 132, True, 4, 4, 4) for M in (1, 8, 9, 16, 17)]
+        for name, (n, k) in shapes.items()
+    }
+    assert tiles == {"qkv": [8, 8, 8, 8, 16], "o": [8, 8, 16, 16, 16],
+                     "gate_up": [8, 8, 8, 8, 16], "down": [8, 8, 16, 16, 16]}  # fmt: skip
+    assert KM.token_tile(12, 96, 128, 132, False, 4, 4, 4) == 16  # not staged: one tile
+    assert round(KM._wave_fill(96, 128, 1, 132, 4, 4, 4, 2), 3) == 0.727  # 192 CTAs of 264
+    assert round(KM._wave_fill(384, 128, 1, 132, 4, 4, 4, 2), 3) == 0.727  # 384 of 2 x 264
+
+
 def test_configs_and_their_checks():
     for M in (1, 16, 17, 64, 65, 511, 512, 4096):
         cands = C.candidate_configs(M)
@@ -97,12 +121,12 @@ def test_configs_and_their_checks():
     kinds = [C.default_config(M, 64, 64, 4)[::7] for M in Ms]
     assert kinds == [("mma",)] * 2 + [("fused", True)] * 2 + [("fused", False), ("deq",), ("deq",)]
     # table copies per lane (one per bank: 32 entries of one word, 16 of two; K = 5's 1024
-    # entries 8); 3 CTAs per SM for one token tile of 8 (what fits), 4 for two; K = 3, 5
-    # (twice the weight registers) 2
+    # entries 8); CTAs per SM as they fit: 3 for a token tile of 8, 2 for one of 16 and at
+    # K = 3, 5 (twice the weight registers)
     mma = [C.default_config(M, N, 4096, b)[3:5] for M, N, b in
            ((1, 24576, 4), (8, 12288, 2), (1, 4096, 4), (9, 24576, 4), (1, 4096, 3),
             (16, 4096, 3), (1, 4096, 5), (16, 4096, 5))]  # fmt: skip
-    assert mma == [(3, 32), (3, 16), (3, 32), (4, 32), (2, 32), (2, 32), (2, 8), (2, 8)]
+    assert mma == [(3, 32), (3, 16), (3, 32), (2, 32), (2, 32), (2, 32), (2, 8), (2, 8)]
     for bits in (2, 3, 4, 5):
         assert [C.default_config(M, 64, 64, bits)[0] for M in Ms[:3]] == ["mma", "mma", "fused"]
         for M in (1, 16, 64, 4096):

@@ -71,13 +71,15 @@ def _mma_copies(bits: int) -> int:
 
 def _mma_default(M: int, bits: int) -> tuple:
     """The mma kernel's default: table copies per `_mma_copies`; a token tile of 8 fits 3
-    CTAs of 4 warps per SM at K = 2, 4 (about 130-170 registers) and 2 at K = 3, 5 (a second
-    bundle of words per column: 210-250 registers; K = 5 with its scale words staged by TMA
-    takes 168-185, but planning for 3 was no faster, kbit-lab-log §26), and planning the split
-    for exactly that many keeps the grid to one wave (H200, benchmarks/kbit-lab-log.md §5)."""
+    CTAs of 4 warps per SM at K = 2, 4 (about 130-170 registers), a tile of 16 (9-16 tokens)
+    2 (about 206), and K = 3, 5 2 (a second bundle of words per column: 210-250 registers;
+    K = 5 with its scale words staged by TMA takes 168-185, but planning for 3 was no faster,
+    kbit-lab-log §26); planning the split for exactly that many keeps the grid to one wave
+    (H200, benchmarks/kbit-lab-log.md §5; 16-token tiles planned for 4 ran up to 1.3x slower,
+    §27). `mma.token_tile` may run 9-16 tokens as two 8-token tiles instead (planned for 3)."""
     if bits in (3, 5):
         return ("mma", 4, 4, 2, _mma_copies(bits), False)
-    return ("mma", 4, 4, 3 if M <= 8 else 4, _mma_copies(bits), False)
+    return ("mma", 4, 4, 3 if M <= 8 else 2, _mma_copies(bits), False)
 
 
 def wgmma_tile(M: int, N: int, K: int, bits: int) -> tuple | None:

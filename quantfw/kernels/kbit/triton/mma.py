@@ -772,6 +772,40 @@ def tma_staging(
     return _table_entries(bits) * copies * entry_bytes > wk * 64 * 4 * bits * 4
 
 
+#: CTAs per SM that a one-quad, 4-warp CTA fits by its registers: 8-token tiles at K = 2, 4
+#: (about 167 registers), 16-token tiles (about 206)
+TILE8_CTAS_PER_SM = 3
+TILE16_CTAS_PER_SM = 2
+
+
+def _wave_fill(
+    blocks: int, kbp: int, token_tiles: int, sms: int, warps: int, wk: int, chunk: int, per_sm: int
+) -> float:
+    """The share of its waves' CTA slots that a launch planned by `plan` fills."""
+    wb, split, _ = plan(blocks, kbp, token_tiles, sms, warps, wk, chunk, per_sm)
+    ctas = triton.cdiv(blocks, wb) * token_tiles * split
+    slots = per_sm * sms
+    return ctas / (triton.cdiv(ctas, slots) * slots)
+
+
+def token_tile(
+    M: int, blocks: int, kbp: int, sms: int, tma: bool, warps: int, wk: int, chunk: int
+) -> int:
+    """Tokens per CTA tile of a dense launch of M tokens over ``blocks`` 64-column blocks and
+    ``kbp`` blocks of 32 along K: 8 up to 8 tokens; at 9-16 tokens two 8-token tiles where
+    those are TMA-staged (``tma``: `tma_staging` of an 8-token tile) and fill the GPU's CTA
+    slots better than one 16-token tile does (each 8-token tile decodes the weights again;
+    two of them won where the 16-token tile left a fifth of its slots empty and lost
+    otherwise: Qwen3-8B's qkv and gate_up against o and down, kbit-lab-log §27), else 16."""
+    if M <= 8:
+        return 8
+    if M > 16 or not tma:
+        return 16
+    pair = _wave_fill(blocks, kbp, 2, sms, warps, wk, chunk, TILE8_CTAS_PER_SM)
+    one = _wave_fill(blocks, kbp, 1, sms, warps, wk, chunk, TILE16_CTAS_PER_SM)
+    return 8 if pair > one + 0.1 else 16
+
+
 def scales_by_tma(scales_int32: torch.Tensor, wk: int) -> bool:
     """Whether a TMA-staged launch copies its scale words by TMA too: a box row of ``wk``
     words must be 16 bytes or more, and the rows (and the base) 16-byte aligned, i.e. K padded
@@ -903,6 +937,14 @@ def kbit_mma_matmul(
     x2 = as_int32_pairs(x2)
     M = x2.shape[0]
     tm = 8 if M <= 8 else 16
+    if M in range(9, 17):
+        wk_ = warps if wk is None else wk
+        tma = tma_staging(x2.device, bits, 8, warps, wk_, chunk, copies)
+        blocks, kbp = qweight.shape[-2] // 64, qweight.shape[-1] // bits
+        sms = splitk.num_sms(x2.device)
+        tm = token_tile(M, blocks, kbp, sms, tma and bits in (2, 4), warps, wk_, chunk)
+        if tm == 8:  # two tiles planned as the one-token launches run
+            ctas_per_sm = TILE8_CTAS_PER_SM
     return _launch(
         x2, qweight, scales, lut, M, N, bits, bias, tm, triton.cdiv(M, tm), warps=warps,
         chunk=chunk, ctas_per_sm=ctas_per_sm, copies=copies, pipe=pipe, maxnreg=maxnreg, wk=wk,

@@ -937,13 +937,15 @@ def kbit_mma_matmul(
     x2 = as_int32_pairs(x2)
     M = x2.shape[0]
     tm = 8 if M <= 8 else 16
-    if M in range(9, 17):
-        wk_ = warps if wk is None else wk
-        tma = tma_staging(x2.device, bits, 8, warps, wk_, chunk, copies)
+    if 8 < M <= 16 and bits in (2, 4):  # K = 3, 5: one 16-token tile (pairs not measured)
+        wk_all = warps if wk is None else wk
+        tma = stage_by_tma
+        if tma is None:
+            tma = tma_staging(x2.device, bits, 8, warps, wk_all, chunk, copies)
         blocks, kbp = qweight.shape[-2] // 64, qweight.shape[-1] // bits
         sms = splitk.num_sms(x2.device)
-        tm = token_tile(M, blocks, kbp, sms, tma and bits in (2, 4), warps, wk_, chunk)
-        if tm == 8:  # two tiles planned as the one-token launches run
+        tm = token_tile(M, blocks, kbp, sms, tma, warps, wk_all, chunk)
+        if tm == 8:  # two tiles, planned as the one-token launches run
             ctas_per_sm = TILE8_CTAS_PER_SM
     return _launch(
         x2, qweight, scales, lut, M, N, bits, bias, tm, triton.cdiv(M, tm), warps=warps,

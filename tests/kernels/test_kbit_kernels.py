@@ -633,9 +633,11 @@ def test_gpu_configs_match_reference(bits, N, K, dtype):
 def test_gpu_tma_staging_matches_register_loads(dtype, bits):
     """The TMA-staged weight words (sm_90) give the register-loaded kernel's sums: bit for
     bit where no split across CTAs reorders them (each column block's K in one CTA), else
-    within tolerance of the float64 reference; M = 1, 5, 8, bias, N past the last block. With
-    K padded to a multiple of 512 (K = 512, 4608) the scale words are staged too, by default,
-    and the same with them staged or loaded (K = 4160: loaded)."""
+    within tolerance of the float64 reference; M = 1, 5, 8, bias, N past the last block, and at
+    K = 2, 4 12 and 16 tokens, staged as two 8-token tiles where `token_tile` picks them (N =
+    24576: 384 column blocks) against one 16-token tile unstaged. With K padded to a multiple of 512
+    (K = 512, 4608) the scale words are staged too, by default, and the same with them staged
+    or loaded (K = 4160: loaded)."""
     from quantfw.kernels.kbit.triton import dispatch
     from quantfw.kernels.kbit.triton import mma as KM
 
@@ -650,7 +652,7 @@ def test_gpu_tma_staging_matches_register_loads(dtype, bits):
         lut = dispatch._lookup_table(w, dtype)
         staged = KM.scales_by_tma(w.scales.view(torch.int32), 4)
         assert staged == (K % 512 == 0)
-        for M in (1, 5, 8):
+        for M in (1, 5, 8) + ((12, 16) if bits in (2, 4) else ()):
             x = torch.randn(M, K, device="cuda", generator=gen).to(dtype)
             bias = torch.randn(N, device="cuda", generator=gen).to(dtype)
             opts = dict(ctas_per_sm=3, copies=copies)

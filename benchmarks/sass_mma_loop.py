@@ -3,13 +3,14 @@ slots to stream at its bandwidth floor: no GPU needed (sm_90 compiles through Tr
 ptxas and nvdisasm, as the CPU tests compile).
 
 For each one-token default of `kbit_mma_kernel` (kbit K = 2..5, and MXFP4's grouped bf16 launch
-with W13's SwiGLU): registers, shared memory, the SASS instructions of the loop body (one
-iteration: each warp one chunk of 4 blocks x 64 columns, 8192 weights, 32 `HMMA`) by opcode,
-and the share of the GPU's peak issue rate (SMs x 4 schedulers x clock, one warp instruction a
-cycle each) that those instructions take when the weights stream at the given bandwidth. A
-share near or above 1 is a bound no schedule beats (K = 3 and 5 at the H200's bandwidth); below
-it the time is set by latency at the kernel's occupancy, and fewer instructions need not help
-(benchmarks/kbit-lab-log.md §25: 7% fewer at K = 2 lost 4% end to end).
+with W13's SwiGLU; and the 16-token tile at K = 2, 4): registers, shared memory, the SASS
+instructions of the loop body (one iteration: each warp one chunk of 4 blocks x 64 columns, 8192
+weights, 32 `HMMA` a tile of 8 tokens) by opcode, and the share of the GPU's peak issue rate (SMs x
+4 schedulers x clock, one warp instruction a cycle each) that those instructions take when the
+weights stream at the given bandwidth. A share near or above 1 is a bound no schedule beats (K = 3
+and 5 at the H200's bandwidth); below it the time is set by latency at the kernel's occupancy, and
+fewer instructions need not help (benchmarks/kbit-lab-log.md §25: 7% fewer at K = 2 lost 4% end to
+end).
 
     python benchmarks/sass_mma_loop.py                     # H200: 4.25 TB/s, 132 SMs, 1.98 GHz
     python benchmarks/sass_mma_loop.py --bandwidth 3.0     # H100 SXM
@@ -56,6 +57,11 @@ def variants() -> list[tuple[str, int, dict]]:
     mx = {**base, "SPLIT": 1, "ACT": 2, "COPIES": 32, "BITS": 4, "TMA": True, "MASK_K": True,
           "HAS_BIAS": True, "IS_BF16": True, "UE8M0": True, "GROUPED": True, "GATHER": True}  # fmt: skip
     out.append(("MXFP4 W13 grouped + SwiGLU", 4, mx))
+    for bits in (2, 4):  # the 16-token tile (9-16 tokens where `mma.token_tile` keeps one)
+        copies = configs.default_config(16, 0, 0, bits)[4]
+        tile16 = {**base, "TM": 16, "SPLIT": 2, "ACT": 0, "COPIES": copies, "BITS": bits,
+                  "TMA": False}  # fmt: skip
+        out.append((f"kbit K={bits} 16-token split K", bits, tile16))
     return out
 
 
@@ -127,7 +133,8 @@ def main() -> int:
         sass, regs, smem = compile_variant(bits, consts)
         body = loop_body(sass)
         ops = collections.Counter(opcode(ln) for ln in body)
-        assert ops["HMMA"] == 32, (name, ops["HMMA"])  # one chunk of 8192 weights a warp
+        # one chunk of 8192 weights a warp: 32 `HMMA` an 8-token tile
+        assert ops["HMMA"] == 32 * consts["TM"] // 8, (name, ops["HMMA"])
         bytes_per_weight = bits / 8 + 1 / 32  # fields and one scale byte per block of 32
         weights_per_s = args.bandwidth * 1e12 / bytes_per_weight
         share = weights_per_s / WEIGHTS_PER_ITERATION * len(body) / peak

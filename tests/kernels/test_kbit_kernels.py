@@ -364,8 +364,9 @@ def test_mma_kernel_tma_staging_compiles_for_sm90_without_a_gpu(bits, grouped, s
 def test_sass_loop_probe_runs_without_a_gpu():
     """`benchmarks/sass_mma_loop.py` (the main loop's instructions per weight and the issue
     share a one-token GEMM needs at its floor, kbit-lab-log §25) still finds the loop of every
-    default variant (one chunk of 32 `HMMA` a warp); K = 2 needs a larger share than K = 4
-    (half the bytes a weight, nearly as many instructions), K = 3 too."""
+    default variant (one chunk of 32 `HMMA` a warp, 64 in the 16-token tile); K = 2 needs a
+    larger share than K = 4 (half the bytes a weight, nearly as many instructions), K = 3 too,
+    and the 16-token tile more than the 8-token one (its fold twice over)."""
     pytest.importorskip("triton")
     script = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "sass_mma_loop.py")
     done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
@@ -373,10 +374,11 @@ def test_sass_loop_probe_runs_without_a_gpu():
     shares = dict(
         re.findall(r"^(.+?)\s+\d+ regs.*issue share at the floor ([\d.]+)", done.stdout, re.M)
     )
-    assert len(shares) == 9, done.stdout
+    assert len(shares) == 11, done.stdout
     share = {name: float(v) for name, v in shares.items()}
     assert 0.3 < share["kbit K=4 split K"] < share["kbit K=2 split K"]
     assert share["kbit K=3 split K"] > share["kbit K=4 split K"] and share["kbit K=5 split K"] > 0.5
+    assert share["kbit K=4 16-token split K"] > share["kbit K=4 split K"]
 
 
 def test_tma_staging_rule(monkeypatch):

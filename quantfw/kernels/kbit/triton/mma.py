@@ -776,6 +776,10 @@ def tma_staging(
 #: (about 167 registers), 16-token tiles (about 206)
 TILE8_CTAS_PER_SM = 3
 TILE16_CTAS_PER_SM = 2
+#: bit widths whose 9-16-token launches may run as two 8-token tiles (`token_tile`): not K = 3
+#: (its 8-token tiles are not staged) nor K = 5 (its decode, 5.2 instructions a weight, done
+#: twice lost 1.1-1.5x to one 16-token tile on every Qwen3-8B shape: kbit-lab-log §27)
+PAIRED_TILE_BITS = (2, 4)
 
 
 def _wave_fill(
@@ -937,7 +941,7 @@ def kbit_mma_matmul(
     x2 = as_int32_pairs(x2)
     M = x2.shape[0]
     tm = 8 if M <= 8 else 16
-    if 8 < M <= 16 and bits in (2, 4):  # K = 3, 5: one 16-token tile (pairs not measured)
+    if 8 < M <= 16 and bits in PAIRED_TILE_BITS:
         wk_all = warps if wk is None else wk
         tma = stage_by_tma
         if tma is None:

@@ -194,7 +194,8 @@ def _experts(e, n, k, dtype, quantized, seed):
     float32 dequantization. Quantized an expert at a time, in place: the quantizer's
     temporaries for a whole GPT-OSS-20B W13 (530 M elements, GBs each) are the likely reason
     two xdist workers held 36-38 GB each and ran the GPU out of memory
-    (benchmarks/results/scales-tma/gpu-tests-oom.log; not rerun on a GPU since)."""
+    (benchmarks/results/scales-tma/gpu-tests-oom.log); with it the same run passed on an 80 GB
+    H100 (benchmarks/results/final-2026-11-27/gpu-tests.log)."""
     from quantfw.kernels.mxfp4 import grouped
 
     key = (e, n, k, dtype, quantized, seed)

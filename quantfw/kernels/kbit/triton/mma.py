@@ -937,7 +937,9 @@ def kbit_mma_matmul(
     registers per thread (None: the compiler's choice), ``wk`` warps per 64-column block
     splitting its chunks (None: all ``warps``; see `_launch`); ``act``: a gated pair's
     activation, out [M, N / 2] (see `_launch`); ``stage_by_tma``, ``stage_scales``,
-    ``owner``: see `_launch`."""
+    ``owner``: see `_launch`. Tokens go in 8-token tiles up to 8, at 9-16 in one 16-token tile
+    or two 8-token ones (`token_tile`, then planned for `TILE8_CTAS_PER_SM`), beyond in
+    16-token tiles."""
     x2 = as_int32_pairs(x2)
     M = x2.shape[0]
     tm = 8 if M <= 8 else 16

@@ -95,6 +95,10 @@ def test_method_table():
         "quantization": "kbit",
         "quantization_args": {"bits": 3},
     }
+    assert table["kbit4-head"].engine_kwargs() == {
+        "quantization": "kbit",
+        "quantization_args": {"bits": 4, "lm_head": True},
+    }
     assert table["fp16"].unavailable() is None and table["awq"].unavailable() is None
     with pytest.raises(ValueError, match="unknown method.*fp8.*supported: fp16, awq"):
         parse_methods("fp16,fp8")

@@ -186,7 +186,7 @@ def decode_read_bytes(model: nn.Module, batch: int) -> int:
             nbytes *= experts_read_fraction(module.top_k, module.num_experts, batch)
         total += nbytes
         if isinstance(module, ParallelLMHead):
-            head.append(module.weight)
+            head += _module_weights(module)
         elif isinstance(module, VocabParallelEmbedding):
             lookup_only.append(module.weight)
     head_ptrs = {t.untyped_storage().data_ptr() for t in head}

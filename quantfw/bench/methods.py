@@ -90,6 +90,10 @@ def method_table(group_size: int = DEFAULT_GROUP_SIZE) -> dict[str, BenchMethod]
         BenchMethod("gptq-v2", "gptq", gptq(checkpoint_format="gptq_v2")),
         BenchMethod("gptq-act", "gptq", gptq(desc_act=True)),
         *(BenchMethod(f"kbit{k}", "kbit", quantization_args={"bits": k}) for k in (2, 3, 4, 5)),
+        *(
+            BenchMethod(f"kbit{k}-head", "kbit", quantization_args={"bits": k, "lm_head": True})
+            for k in (2, 3, 4, 5)
+        ),
         BenchMethod("mxfp4", "mxfp4", {"quant_method": "mxfp4"}),
     ]
     return {m.name: m for m in table}

@@ -11,7 +11,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="quantize a dense HF checkpoint into the AWQ (GEMM), GPTQ, kbit or MXFP4 format",
         description="Round-to-nearest quantization (no calibration) of the decoder's linear "
         "layers (kbit: nearest codebook level per element; MXFP4: and MoE experts, in GPT-OSS's "
-        "format); embeddings, norms, routers and lm_head keep their dtype.",
+        "format); embeddings, norms, routers and lm_head keep their dtype (kbit's "
+        "--lm-head quantizes an untied lm_head too).",
     )
     p.add_argument("model", help="local folder or hub repo id of a dense checkpoint")
     from quantfw.exporter import EXPORT_METHODS
@@ -24,6 +25,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--bits", type=int, help="4 (AWQ, default); 2, 3, 4 or 8 (GPTQ, default 4); 2..5 (kbit)"
     )
     p.add_argument("--blocksize", type=int, help="kbit: elements per block (32, the default)")
+    p.add_argument(
+        "--lm-head",
+        action="store_const",
+        const=True,
+        help="kbit: quantize the (untied) lm_head too; it keeps its dtype by default",
+    )
     p.add_argument("--group-size", type=int, help="default 128; -1: one group per column")
     p.add_argument(
         "--desc-act",
@@ -55,6 +62,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 METHOD_OPTIONS = (
     "bits",
     "blocksize",
+    "lm_head",
     "group_size",
     "desc_act",
     "sym",

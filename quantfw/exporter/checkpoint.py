@@ -50,15 +50,26 @@ EXPORT_METHODS: dict[str, str] = {
 def quantize_linears(
     tensors: Iterator[tuple[str, torch.Tensor]],
     quantize_linear: Callable[[str, torch.Tensor], Iterator[tuple[str, torch.Tensor]]],
+    *,
+    also: tuple[str, ...] = (),
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor as it is, except the 2-D ``weight`` of a `QUANTIZED_LINEARS` layer, which
-    ``quantize_linear(prefix, weight)`` replaces by the tensors it yields."""
+    """Every tensor as it is, except the 2-D ``weight`` of a `QUANTIZED_LINEARS` layer or of a
+    layer whose whole prefix is in `also` (``"lm_head"``), which ``quantize_linear(prefix,
+    weight)`` replaces by the tensors it yields. A prefix of `also` that holds no such weight
+    is an error."""
+    missing = set(also)
     for name, tensor in tensors:
         prefix, _, kind = name.rpartition(".")
-        if kind == "weight" and tensor.dim() == 2 and prefix.split(".")[-1] in QUANTIZED_LINEARS:
+        quantized = prefix.split(".")[-1] in QUANTIZED_LINEARS or prefix in also
+        if kind == "weight" and tensor.dim() == 2 and quantized:
+            missing.discard(prefix)
             yield from quantize_linear(prefix, tensor)
         else:
             yield name, tensor
+    if missing:
+        raise ValueError(
+            f"export: no 2-D weight found for {sorted(missing)}, which was asked to be quantized"
+        )
 
 
 def register_export_method(name: str, target: str) -> None:

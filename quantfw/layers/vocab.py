@@ -7,8 +7,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantfw import distributed as qdist
-from quantfw.kernels.dense import ops as dense_ops
-from quantfw.layers.sharding import load_vocab_shard, set_weight_attrs, vocab_range
+from quantfw.layers.quantization.base import (
+    QuantizationConfig,
+    QuantizeMethodBase,
+    UnquantizedLinearMethod,
+)
+from quantfw.layers.sharding import copy_shard, load_vocab_shard, set_weight_attrs, vocab_range
 
 DEFAULT_VOCAB_PADDING = 64
 
@@ -31,15 +35,7 @@ class VocabParallelEmbedding(nn.Module):
         prefix: str = "",
     ):
         super().__init__()
-        self.prefix = prefix
-        self.num_embeddings = num_embeddings
-        self.embedding_dim = embedding_dim
-        self.tp_rank = qdist.get_tp_rank()
-        self.tp_size = qdist.get_tp_size()
-        self.num_embeddings_padded = pad_vocab_size(num_embeddings, padding_size * self.tp_size)
-        self.vocab_start, self.vocab_end = vocab_range(
-            self.num_embeddings_padded, self.tp_rank, self.tp_size
-        )
+        self._init_shard(num_embeddings, embedding_dim, padding_size, prefix)
         self.weight = nn.Parameter(
             torch.empty(
                 self.vocab_end - self.vocab_start,
@@ -50,7 +46,25 @@ class VocabParallelEmbedding(nn.Module):
         )
         set_weight_attrs(self.weight, {"output_dim": 0, "weight_loader": self.weight_loader})
 
+    def _init_shard(
+        self, num_embeddings: int, embedding_dim: int, padding_size: int, prefix: str
+    ) -> None:
+        self.prefix = prefix
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.tp_rank = qdist.get_tp_rank()
+        self.tp_size = qdist.get_tp_size()
+        self.num_embeddings_padded = pad_vocab_size(num_embeddings, padding_size * self.tp_size)
+        self.vocab_start, self.vocab_end = vocab_range(
+            self.num_embeddings_padded, self.tp_rank, self.tp_size
+        )
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        """A tensor with vocabulary rows (``output_dim`` 0) takes this rank's rows, the padding
+        rows zero; one without (a quantized head's codebook) is copied whole."""
+        if getattr(param, "output_dim", None) is None:
+            copy_shard(param, loaded, dim=None)
+            return
         load_vocab_shard(param, loaded, vocab_size=self.num_embeddings, start=self.vocab_start)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -70,10 +84,44 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection onto the vocabulary; each rank computes its rows' logits, then they are
-    gathered and the padding cut off."""
+    gathered and the padding cut off.
+
+    Its weight comes from a linear method, as a linear layer's does: the unquantized one, or
+    the one `quant_config` returns for it (a method that quantizes the head, such as kbit with
+    ``lm_head: true``; its tensors are ``lm_head.<name>``, vocabulary rows along dim 0)."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        params_dtype: torch.dtype | None = None,
+        padding_size: int = DEFAULT_VOCAB_PADDING,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ):
+        nn.Module.__init__(self)
+        self._init_shard(num_embeddings, embedding_dim, padding_size, prefix)
+        method = quant_config.get_quant_method(self, prefix) if quant_config is not None else None
+        self.quant_method: QuantizeMethodBase = method or UnquantizedLinearMethod()
+        # the sizes a linear method reads from its layer
+        rows = self.vocab_end - self.vocab_start
+        self.input_size = self.input_size_per_partition = embedding_dim
+        self.output_size = num_embeddings  # the checkpoint tensor's rows
+        self.output_partition_sizes, self.output_size_per_partition = [rows], rows
+        self.bias = None
+        self.quant_method.create_weights(
+            self,
+            embedding_dim,
+            [rows],
+            embedding_dim,
+            num_embeddings,
+            params_dtype or torch.get_default_dtype(),
+            weight_loader=self.weight_loader,
+        )
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = dense_ops.linear(hidden_states, self.weight)
+        logits = self.quant_method.apply(self, hidden_states)
         logits = qdist.all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings]
 
@@ -81,12 +129,18 @@ class ParallelLMHead(VocabParallelEmbedding):
         return self.compute_logits(hidden_states)
 
     @classmethod
-    def tied_to(cls, embedding: VocabParallelEmbedding) -> ParallelLMHead:
-        """An LM head that shares `embedding`'s weight (tie_word_embeddings)."""
+    def tied_to(
+        cls,
+        embedding: VocabParallelEmbedding,
+        quant_config: QuantizationConfig | None = None,
+        *,
+        prefix: str = "lm_head",
+    ) -> ParallelLMHead:
+        """An LM head that shares `embedding`'s weight (tie_word_embeddings); a `quant_config`
+        that would quantize the head is an error, as the embedding lookups need the dense rows."""
         head = cls.__new__(cls)
         nn.Module.__init__(head)
         for key in (
-            "prefix",
             "num_embeddings",
             "embedding_dim",
             "tp_rank",
@@ -96,5 +150,14 @@ class ParallelLMHead(VocabParallelEmbedding):
             "vocab_end",
         ):
             setattr(head, key, getattr(embedding, key))
+        head.prefix = prefix
+        method = quant_config.get_quant_method(head, prefix) if quant_config is not None else None
+        if method is not None and not isinstance(method, UnquantizedLinearMethod):
+            raise ValueError(
+                f"layer {prefix}: {type(method).__name__} would quantize the LM head, but it is "
+                f"tied to the input embedding (tie_word_embeddings=true), whose lookups need its "
+                f"dense rows; quantize the head only in a model with an untied lm_head"
+            )
         head.weight = embedding.weight
+        head.quant_method = UnquantizedLinearMethod()
         return head

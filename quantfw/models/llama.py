@@ -284,10 +284,15 @@ class LlamaForCausalLM(nn.Module):
         )
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
-            self.lm_head = ParallelLMHead.tied_to(self.model.embed_tokens)
+            self.lm_head = ParallelLMHead.tied_to(
+                self.model.embed_tokens, quant_config, prefix=_join(prefix, "lm_head")
+            )
         else:
             self.lm_head = ParallelLMHead(
-                config.vocab_size, config.hidden_size, prefix=_join(prefix, "lm_head")
+                config.vocab_size,
+                config.hidden_size,
+                quant_config=quant_config,
+                prefix=_join(prefix, "lm_head"),
             )
 
     def forward(

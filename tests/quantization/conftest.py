@@ -47,6 +47,7 @@ EXPORTS = {
     ),
     "gptq3_v1_g128": dict(method="gptq", bits=3, group_size=128, checkpoint_format="gptq"),
     **{f"kbit{bits}": dict(method="kbit", bits=bits) for bits in (2, 3, 4, 5)},
+    "kbit4_head": dict(method="kbit", bits=4, lm_head=True),
 }
 
 
@@ -137,9 +138,12 @@ def reference_model(dense: str, quantized: str):
     return model
 
 
-def kbit_reference_model(dense: str, bits: int, codebook: list[float] | None = None):
-    """The transformers model of `dense` with every decoder linear weight replaced by its kbit
-    quantization (the format module's reference), as ``quantization="kbit"`` loads it."""
+def kbit_reference_model(
+    dense: str, bits: int, codebook: list[float] | None = None, *, lm_head: bool = False
+):
+    """The transformers model of `dense` with every decoder linear weight (and with `lm_head`,
+    the LM head's) replaced by its kbit quantization (the format module's reference), as
+    ``quantization="kbit"`` loads it."""
     from transformers import AutoModelForCausalLM
 
     from quantfw.exporter.checkpoint import QUANTIZED_LINEARS
@@ -148,7 +152,7 @@ def kbit_reference_model(dense: str, bits: int, codebook: list[float] | None = N
     cb = kbit_format.normal_float_codebook(bits) if codebook is None else torch.tensor(codebook)
     count = 0
     for name, module in model.named_modules():
-        if name.rpartition(".")[2] in QUANTIZED_LINEARS:
+        if name.rpartition(".")[2] in QUANTIZED_LINEARS or (lm_head and name == "lm_head"):
             planes, absmax = kbit_format.quantize(module.weight.data, bits, cb)
             module.weight.data.copy_(kbit_format.dequantize(planes, absmax, cb))
             count += 1

@@ -124,6 +124,7 @@ def test_tensor_parallel_2_equals_tp_1(exported, quant_ref, tmp_path):
         ("awq_g64", {"bits": 5}, r"bits=5 is not supported; supported: 4"),
         ("awq_g64", {"version": "gemv"}, r"version='gemv' is not supported; supported: 'gemm'"),
         ("gptq_v2_act_g128", {"checkpoint_format": "marlin"}, r"checkpoint_format='marlin'"),
+        ("gptq_v2_act_g128", {"lm_head": True}, r"GPTQ: lm_head=true \(a quantized LM head\)"),
     ],
 )
 def test_bad_config(name, edit, match, exported, tmp_path):

@@ -28,7 +28,7 @@ def _kbit_layers(model):
     ]
 
 
-def _check(model, hf, seed):
+def _check(model, hf, seed, head=False):
     ids = torch.randint(
         0, hf.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(seed)
     )
@@ -37,7 +37,8 @@ def _check(model, hf, seed):
     err = ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
     assert err <= TOL, f"relative error {err:.3e}"
     layers = _kbit_layers(model)
-    assert len(layers) == 4 * hf.config.num_hidden_layers
+    assert len(layers) == 4 * hf.config.num_hidden_layers + head
+    assert (model.lm_head in layers) == head
     for layer in layers:
         assert {n for n, _ in layer.named_buffers()} == {
             "kbit_qweight",
@@ -121,6 +122,90 @@ def test_dummy_load_builds_a_valid_model(quantized, dense_dir, exported):
     assert bool(torch.isfinite(logits).all())
 
 
+# ---------------------------------------------------------------------------------------------
+# the LM head quantized too (``lm_head: true``)
+
+
+def test_exported_lm_head_matches_dequantized_transformers(exported, dense_dir, quant_ref):
+    from safetensors import safe_open
+
+    folder = exported("llama", "kbit4_head")
+    with open(os.path.join(folder, "config.json")) as f:
+        assert json.load(f)["quantization_config"]["lm_head"] is True
+    with safe_open(os.path.join(folder, "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert {"lm_head.kbit_planes", "lm_head.kbit_absmax", "lm_head.kbit_codebook"} <= names
+    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+    model = quantfw.load_model(folder, dtype="float32", device="cpu")
+    hf = quant_ref.model(dense_dir("llama"), folder)
+    dense_head = quant_ref.kbit_model(dense_dir("llama"), 4).lm_head.weight
+    assert not torch.equal(hf.lm_head.weight, dense_head)  # the reference's head is dequantized
+    _check(model, hf, seed=31, head=True)
+    # the exporter's default keeps the head dense
+    with open(os.path.join(exported("llama", "kbit4"), "config.json")) as f:
+        assert json.load(f)["quantization_config"]["lm_head"] is False
+
+
+@pytest.mark.parametrize("family,bits", [("qwen3", 2), ("llama", 5)])
+def test_lm_head_quantized_while_loading(family, bits, dense_dir, quant_ref):
+    model = quantfw.load_model(
+        dense_dir(family), dtype="float32", device="cpu", quantization="kbit",
+        quantization_args={"bits": bits, "lm_head": True},
+    )  # fmt: skip
+    assert "lm_head" in repr(model.lm_head.quant_method.config)
+    _check(model, quant_ref.kbit_model(dense_dir(family), bits, lm_head=True), seed=bits, head=True)
+
+
+def test_lm_head_dummy_load_and_bytes_read(dense_dir):
+    from quantfw.bench.measure import weight_bytes
+
+    args = {"quantization": "kbit", "quantization_args": {"bits": 2, "lm_head": True}}
+    model = quantfw.load_model(dense_dir("llama"), device="cpu", load_format="dummy", **args)
+    head = model.lm_head
+    assert {n for n, _ in head.named_buffers()} == {"kbit_qweight", "kbit_scales", "kbit_codebook"}
+    assert 0 < float(kfmt.decode_e4m4(head.kbit_scales).max()) < 0.01
+    with torch.no_grad():
+        logits = model(torch.randint(0, 320, (1, 7)))
+    assert logits.shape == (1, 7, 320) and bool(torch.isfinite(logits).all())
+    # a decode step reads every weight but the embedding table, the quantized head included
+    held, read = weight_bytes(model)
+    embedding = model.model.embed_tokens.weight
+    assert read == held - embedding.numel() * embedding.element_size()
+    head_bytes = sum(b.numel() * b.element_size() for b in head.buffers())
+    dense = quantfw.load_model(dense_dir("llama"), device="cpu", load_format="dummy").lm_head
+    model.lm_head = dense
+    dense_bytes = dense.weight.numel() * dense.weight.element_size()
+    assert read - weight_bytes(model)[1] == head_bytes - dense_bytes < 0
+
+
+def test_lm_head_of_a_tied_model_is_an_error(dense_dir, tmp_path):
+    import shutil
+
+    from quantfw.exporter import quantize_checkpoint
+
+    folder = tmp_path / "tied"
+    shutil.copytree(dense_dir("llama"), folder)
+    with open(folder / "config.json") as f:
+        config = json.load(f)
+    with open(folder / "config.json", "w") as f:
+        json.dump({**config, "tie_word_embeddings": True}, f)
+    with pytest.raises(
+        ValueError, match=r"layer lm_head: KbitLinearMethod would quantize the LM head, but it is "
+        r"tied to the input embedding"
+    ):  # fmt: skip
+        quantfw.load_model(
+            str(folder), device="cpu", quantization="kbit",
+            quantization_args={"bits": 4, "lm_head": True},
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"kbit export: lm_head=True, but the model ties lm_head"):
+        quantize_checkpoint(str(folder), str(tmp_path / "out"), method="kbit", lm_head=True)
+    # without lm_head the tied model loads as before
+    model = quantfw.load_model(
+        str(folder), device="cpu", quantization="kbit", quantization_args={"bits": 4}
+    )
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
 @pytest.mark.slow
 def test_tensor_parallel_2_matches_dequantized_transformers(
     exported, dense_dir, quant_ref, tmp_path
@@ -128,6 +213,7 @@ def test_tensor_parallel_2_matches_dequantized_transformers(
     cases = [
         (exported("llama", "kbit4"), {}, lambda: quant_ref.model(dense_dir("llama"), exported("llama", "kbit4"))),
         (exported("qwen3", "kbit2"), {}, lambda: quant_ref.model(dense_dir("qwen3"), exported("qwen3", "kbit2"))),
+        (exported("llama", "kbit4_head"), {}, lambda: quant_ref.model(dense_dir("llama"), exported("llama", "kbit4_head"))),
         (dense_dir("llama"), {"quantization": "kbit", "quantization_args": {"bits": 3}},
          lambda: quant_ref.kbit_model(dense_dir("llama"), 3)),
         (dense_dir("qwen3"), {"quantization": "kbit", "quantization_args": {"bits": 5}},
@@ -158,6 +244,7 @@ def test_tensor_parallel_2_matches_dequantized_transformers(
         ({"bits": 2, "codebook": [-1.0, 0.5, 0.0, 1.0]}, r"strictly ascending"),
         ({"bits": 2, "codebook": "nf"}, r"codebook='nf' is not supported"),
         ({"bits": 4, "absmax_format": "fp16"}, r"absmax_format='fp16' is not supported"),
+        ({"bits": 4, "lm_head": "yes"}, r"kbit: lm_head='yes' is not supported; use true or false"),
     ],
 )
 def test_bad_config(args, match, dense_dir):
@@ -255,6 +342,10 @@ def test_cli_export_options(dense_dir, tmp_path):
     assert {k: qc[k] for k in ("quant_method", "bits", "blocksize", "codebook")} == {
         "quant_method": "kbit", "bits": 2, "blocksize": 32, "codebook": "normal_float",
     }  # fmt: skip
+    assert qc["lm_head"] is False
+    assert main([*argv, "--lm-head", "--out", str(tmp_path / "head")]) == 0
+    with open(tmp_path / "head" / "config.json") as f:
+        assert json.load(f)["quantization_config"]["lm_head"] is True
     assert main([*argv, "--blocksize", "64", "--out", str(tmp_path / "x")]) == 1
     assert main([*argv, "--group-size", "64", "--out", str(tmp_path / "y")]) == 1
 
@@ -299,6 +390,24 @@ def test_cuda_layers_match_reference(dtype, tol, exported, dense_dir, quant_ref)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 2e-3), (torch.bfloat16, 1e-2)])
+def test_cuda_lm_head_matches_reference(dtype, tol, exported, quant_ref):
+    """The quantized LM head on CUDA (the kbit kernels at its vocabulary rows) against the fp64
+    product with the reference weight, at decode and prefill sizes, every logit written."""
+    folder = exported("llama", "kbit4_head")
+    model = quantfw.load_model(folder, dtype=dtype, device="cuda")
+    w = quant_ref.weights(folder)["lm_head"].double()
+    for m in (1, 5, 16, 40, 300):
+        x = torch.randn(m, w.shape[1], dtype=dtype, device="cuda")
+        with torch.no_grad():
+            out = model.compute_logits(x)
+        assert out.shape == (m, w.shape[0]) and bool(torch.isfinite(out).all())
+        want = x.double().cpu() @ w.t()
+        err = ((out.double().cpu() - want).norm() / want.norm()).item()
+        assert err <= tol, f"lm_head M={m} {dtype}: relative error {err:.2e}"
+
+
+@pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_tensor_parallel_2_on_two_gpus_matches_tp_1(exported, dense_dir, quant_ref, tmp_path):
@@ -310,6 +419,7 @@ def test_tensor_parallel_2_on_two_gpus_matches_tp_1(exported, dense_dir, quant_r
         (exported("qwen3", "kbit2"), {}),
         (exported("llama", "kbit3"), {}),
         (dense_dir("qwen3"), {"quantization": "kbit", "quantization_args": {"bits": 5}}),
+        (exported("llama", "kbit4_head"), {}),
     ]
     ids = quant_ref.ids(320, seed=22, seq=9)
     batches = [ids, ids[:1, :2]]

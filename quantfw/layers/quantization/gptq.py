@@ -91,6 +91,11 @@ class GPTQConfig(QuantizationConfig):
         pack_dtype = config.get("pack_dtype")
         if pack_dtype not in (None, "int32", "torch.int32"):
             raise ValueError(f"GPTQ: pack_dtype={pack_dtype!r} is not supported; supported: int32")
+        if config.get("lm_head"):
+            raise ValueError(
+                "GPTQ: lm_head=true (a quantized LM head) is not supported; supported: false "
+                "(the head in the model dtype)"
+            )
         fmt = config.get("checkpoint_format") or config.get("format") or "gptq"
         return cls(
             bits=int(config.get("bits", 4)),

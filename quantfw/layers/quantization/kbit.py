@@ -46,7 +46,8 @@ _DUMMY_ABSMAX_CODES = (16, 64)
 class KbitConfig(QuantizationConfig):
     """``quant_method: kbit``; reads ``bits`` (2, 3, 4 or 5; required), ``blocksize`` (32),
     ``codebook`` (``"normal_float"``, the default, or a list of ``2**bits`` ascending levels),
-    ``absmax_format`` (``"e4m4"``) and ``modules_to_not_convert``."""
+    ``absmax_format`` (``"e4m4"``), ``lm_head`` (false, the default; true: the untied LM head is
+    quantized too, as GPTQ's ``lm_head`` option does) and ``modules_to_not_convert``."""
 
     def __init__(
         self,
@@ -54,10 +55,14 @@ class KbitConfig(QuantizationConfig):
         bits: int,
         blocksize: int = kfmt.BLOCKSIZE,
         codebook: list[float] | str | None = None,
+        lm_head: bool = False,
         modules_to_not_convert: list[str] | None = None,
     ):
         self.bits = kfmt.check_bits(bits)
         self.blocksize = kfmt.check_blocksize(blocksize)
+        if not isinstance(lm_head, bool):
+            raise ValueError(f"kbit: lm_head={lm_head!r} is not supported; use true or false")
+        self.lm_head = lm_head
         if codebook is None or codebook == "normal_float":
             self.codebook = kfmt.normal_float_codebook(bits)
             self.custom_codebook = False
@@ -91,13 +96,18 @@ class KbitConfig(QuantizationConfig):
             bits=config["bits"],
             blocksize=config.get("blocksize", kfmt.BLOCKSIZE),
             codebook=config.get("codebook"),
+            lm_head=config.get("lm_head", False),
             modules_to_not_convert=config.get("modules_to_not_convert"),
         )
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         from quantfw.layers.linear import LinearBase
+        from quantfw.layers.vocab import ParallelLMHead
 
-        if not isinstance(layer, LinearBase):
+        if isinstance(layer, ParallelLMHead):
+            if not self.lm_head or self.is_layer_skipped(prefix):
+                return None
+        elif not isinstance(layer, LinearBase):
             return None
         if self.is_layer_skipped(prefix):
             return UnquantizedLinearMethod()
@@ -106,7 +116,11 @@ class KbitConfig(QuantizationConfig):
     def __repr__(self) -> str:
         cb = "custom" if self.custom_codebook else "normal_float"
         source = "checkpoint" if self.checkpoint_is_quantized else "quantized while loading"
-        return f"KbitConfig(bits={self.bits}, blocksize={self.blocksize}, codebook={cb}, {source})"
+        head = ", lm_head" if self.lm_head else ""
+        return (
+            f"KbitConfig(bits={self.bits}, blocksize={self.blocksize}, codebook={cb}{head}, "
+            f"{source})"
+        )
 
 
 def _checked_loader(loader: Callable, what: str, dtype: torch.dtype | None) -> Callable:

@@ -226,9 +226,12 @@ def main() -> None:
             path = make_model_dir(root, args.layers, method)
             for max_len in lens:
                 t0 = time.perf_counter()
-                kbit = re.fullmatch(r"kbit(\d)", method)  # quantized while loading
+                kbit = re.fullmatch(r"kbit(\d)(-head)?", method)  # quantized while loading
                 quant = (
-                    {"quantization": "kbit", "quantization_args": {"bits": int(kbit[1])}}
+                    {
+                        "quantization": "kbit",
+                        "quantization_args": {"bits": int(kbit[1]), "lm_head": bool(kbit[2])},
+                    }
                     if kbit
                     else {}
                 )

@@ -90,11 +90,16 @@ def main() -> None:
     from quantfw import distributed as qdist
     from quantfw.bench.configs import read_hf_config, write_config_folder
     from quantfw.bench.measure import leader_session
+    from quantfw.bench.methods import parse_methods
     from quantfw.engine import LLMEngine
 
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("model", help="a bundled config, e.g. gpt-oss-20b or qwen3-8b")
-    ap.add_argument("--methods", default="fp16", help="fp16 (the model unquantized), mxfp4")
+    ap.add_argument(
+        "--methods",
+        default="fp16",
+        help="names `quantfw bench --methods` takes: fp16, mxfp4, kbit4",
+    )
     ap.add_argument("--prompt-len", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=6, help="timed prefills before the profiled")
     ap.add_argument("--dtype", default="bfloat16")
@@ -110,14 +115,15 @@ def main() -> None:
     ]
     rank = qdist.global_rank_from_env()
     with tempfile.TemporaryDirectory() as tmp:
-        for method in args.methods.split(","):
-            quant = {"fp16": None, "mxfp4": config.get("quantization_config")}[method]
-            folder = write_config_folder(config, os.path.join(tmp, f"{method}-{rank}"), quant)
+        for method in parse_methods(args.methods):
+            quant = method.checkpoint_config_for(config)
+            folder = write_config_folder(config, os.path.join(tmp, f"{method.name}-{rank}"), quant)
             engine = LLMEngine(
                 folder, dtype=args.dtype if on_gpu else "float32", load_format="dummy",
                 max_model_len=args.max_model_len, max_num_seqs=16, tokenizer=None,
+                **method.engine_kwargs(),
             )  # fmt: skip
-            leader_session(engine, lambda e=engine, m=method: report(e, m, prompts, on_gpu))
+            leader_session(engine, lambda e=engine, m=method.name: report(e, m, prompts, on_gpu))
             del engine
             if on_gpu:
                 torch.cuda.empty_cache()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +38,17 @@ def test_info_prints_architecture_and_shard_plan(hf_checkpoint, capsys):
     # kv cache per token per rank: 2 layers x (k + v) x 1 kv head x head_dim 16 x 4 bytes
     assert "kv cache:       0.2 KiB per token per rank (2 full-attention layers)" in out
     assert "tokens fit on" in out
+
+
+def test_info_with_quantization_args(hf_checkpoint, capsys):
+    _, folder = hf_checkpoint("llama")
+    args = ["--quantization", "kbit", "--quantization-args", '{"bits": 3, "lm_head": true}']
+    assert main(["info", folder, *args]) == 0
+    out = capsys.readouterr().out
+    assert "quantization:   kbit" in out
+    assert re.search(
+        r"lm_head +ParallelLMHead +KbitLinearMethod +per rank: weight \(\d+, \d+, 3\)", out
+    )
 
 
 def test_info_error_is_one_line(hf_checkpoint, capsys):

@@ -3,12 +3,37 @@
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """An argparse type: a JSON object (``'{"bits": 4}'``)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a JSON object; write the options as '{{\"bits\": 4}}'"
+        )
+    return value
+
+
+def add_quantization_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantization", default=None, help="force a quantization method")
+    p.add_argument(
+        "--quantization-args",
+        type=json_object,
+        default=None,
+        help="the method's options as a JSON object, merged over the checkpoint's "
+        """quantization_config: --quantization kbit --quantization-args '{"bits": 4}'""",
+    )
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="HF repo id or local folder")
-    p.add_argument("--quantization", default=None, help="force a quantization method")
+    add_quantization_args(p)
     p.add_argument("--dtype", default="auto", help="auto, float16, bfloat16 or float32")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -24,6 +49,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(
         quantization=args.quantization,
+        quantization_args=args.quantization_args,
         dtype=args.dtype,
         tensor_parallel_size=args.tensor_parallel_size,
         max_model_len=args.max_model_len,

@@ -9,6 +9,7 @@ from torch import nn
 
 from quantfw import distributed as qdist
 from quantfw.config import ModelConfig
+from quantfw.engine.cli_args import add_quantization_args
 from quantfw.layers.linear import LinearBase
 from quantfw.layers.moe import FusedMoE
 from quantfw.layers.vocab import VocabParallelEmbedding
@@ -22,7 +23,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("model", help="HF repo id or local folder")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size to plan for")
-    p.add_argument("--quantization", default=None)
+    add_quantization_args(p)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--revision", default=None)
     p.add_argument(
@@ -122,7 +123,11 @@ def kv_cache_lines(model: nn.Module, mc: ModelConfig, utilization: float) -> lis
 
 def run(args: argparse.Namespace) -> int:
     mc = ModelConfig(
-        args.model, revision=args.revision, dtype=args.dtype, quantization=args.quantization
+        args.model,
+        revision=args.revision,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        quantization_args=args.quantization_args,
     )
     _, arch = resolve_model_class(mc.architectures)
     with qdist.simulated_tp(1, 0):

@@ -84,8 +84,8 @@ class KbitConfig(QuantizationConfig):
     def from_config(cls, config: dict[str, Any]) -> KbitConfig:
         if config.get("bits") is None:
             raise ValueError(
-                f"kbit: bits is required (quantization_args={{'bits': K}}); supported: "
-                f"{list(kfmt.SUPPORTED_BITS)}"
+                f"kbit: bits is required (quantization_args={{'bits': K}}, on the command line "
+                f"--quantization-args '{{\"bits\": K}}'); supported: {list(kfmt.SUPPORTED_BITS)}"
             )
         absmax_format = config.get("absmax_format", "e4m4")
         if absmax_format != "e4m4":

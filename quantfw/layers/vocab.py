@@ -109,7 +109,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.input_size = self.input_size_per_partition = embedding_dim
         self.output_size = num_embeddings  # the checkpoint tensor's rows
         self.output_partition_sizes, self.output_size_per_partition = [rows], rows
-        self.bias = None
+        self.register_parameter("bias", None)
         self.quant_method.create_weights(
             self,
             embedding_dim,

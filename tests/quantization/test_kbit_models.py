@@ -156,6 +156,16 @@ def test_lm_head_quantized_while_loading(family, bits, dense_dir, quant_ref):
     _check(model, quant_ref.kbit_model(dense_dir(family), bits, lm_head=True), seed=bits, head=True)
 
 
+def test_lm_head_in_modules_to_not_convert_stays_dense(dense_dir, quant_ref):
+    args = {"bits": 4, "lm_head": True, "modules_to_not_convert": ["lm_head"]}
+    model = quantfw.load_model(
+        dense_dir("llama"), dtype="float32", device="cpu", quantization="kbit",
+        quantization_args=args,
+    )  # fmt: skip
+    assert type(model.lm_head.quant_method).__name__ == "UnquantizedLinearMethod"
+    _check(model, quant_ref.kbit_model(dense_dir("llama"), 4), seed=6)
+
+
 def test_lm_head_dummy_load_and_bytes_read(dense_dir):
     from quantfw.bench.measure import weight_bytes
 

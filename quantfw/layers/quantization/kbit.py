@@ -12,6 +12,9 @@ Two ways in:
   every checkpoint tensor (or fused part) as it arrives, on the parameter's device, so no
   dense copy of the model is ever held.
 
+With ``lm_head: true`` the untied LM head is quantized too, as one more such layer
+(``lm_head.kbit_*``, vocabulary rows along dim 0).
+
 Both load through the layer's own weight loader (`layers/sharding.py` narrows the quantized
 tensors: blocks along the input dim, so a Row shard must hold whole blocks). After loading the
 planes are repacked into the kernels' field-packed layout (`quantfw.kernels.kbit.layout`) and kept as
@@ -105,7 +108,7 @@ class KbitConfig(QuantizationConfig):
         from quantfw.layers.vocab import ParallelLMHead
 
         if isinstance(layer, ParallelLMHead):
-            if not self.lm_head or self.is_layer_skipped(prefix):
+            if not self.lm_head:
                 return None
         elif not isinstance(layer, LinearBase):
             return None

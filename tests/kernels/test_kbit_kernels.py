@@ -472,50 +472,6 @@ def test_mma_plan_covers_every_chunk_once(blocks, kbp, tiles, warps, wk, chunk):
         KM.plan(blocks, kbp, tiles, sms, 4, 3, chunk, ctas_per_sm)
 
 
-@pytest.mark.parametrize("table", ["nf4", "custom", "e2m1"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_register_decode_gives_the_table_lookups_on_cpu(table, dtype):
-    """K = 4's lookups decoded in registers (`_lookup_reg_asm`, the levels as immediates from
-    `register_levels`) give the registers the shared-memory table gives (`_lookup_asm`), for
-    every block r and step v, on random words holding every nibble value (the PTX run on the
-    CPU by `ptx_exec`); MXFP4's E2M1 table (factor 1) too."""
-    import ptx_exec
-
-    from quantfw.kernels.kbit.triton.mma import (
-        _lookup_asm,
-        _lookup_reg_asm,
-        lookup_table,
-        register_levels,
-    )
-
-    gen = torch.Generator().manual_seed(3)
-    if table == "nf4":
-        codebook, factor = kfmt.normal_float_codebook(4), 16.0
-    elif table == "custom":
-        codebook = torch.sort(torch.rand(16, generator=gen) * 2 - 1).values
-        factor = 16.0
-    else:
-        codebook = torch.tensor(
-            [0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6]
-        )
-        factor = 1.0
-    lut = lookup_table(codebook, 4, dtype, factor=factor)
-    levels = register_levels(lut)
-    assert register_levels(lut) is levels  # kept on the table
-    shared = (lut.to(torch.int64) & 0xFFFFFFFF).reshape(-1)  # one copy
-    n = 4096
-    words = torch.randint(0, 2**32, (8, n), generator=gen, dtype=torch.int64)
-    words[:, :16] = torch.arange(16).repeat_interleave(1) * 0x11111111  # every nibble value
-    ops = {4 + i: words[i] for i in range(8)}
-    ops[20] = torch.zeros(n, dtype=torch.int64)
-    for r in range(4):
-        for v in range(2):
-            want = ptx_exec.run(_lookup_asm(4, r, v, 1), ops, 4, shared)
-            got = ptx_exec.run(_lookup_reg_asm(r, v, levels), ops, 4)
-            for p, (a, b) in enumerate(zip(got, want)):
-                assert torch.equal(a, b), f"r={r} v={v} register {p}"
-
-
 @pytest.mark.parametrize("bits", [2, 3, 4, 5])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_mma_lookup_math_on_cpu(bits, dtype):

@@ -139,38 +139,6 @@ def _lookup_asm(bits: int, r: int, v: int, copies: int) -> str:
     return "{ .reg .b32 t, u;\n" + "\n".join(out) + " }"
 
 
-#: sign-replicate selectors turning bit 3 of nibbles 0..3 (v = 0) or 4..7 (v = 1) of w into a
-#: byte mask, from the pool (w << 4, w) (`kbit.triton.wgmma` uses the same)
-_NIBBLE_MASK_SELECTORS = (0xD9C8, 0xFBEA)
-
-
-@constexpr_function
-def _lookup_reg_asm(r: int, v: int, levels: tuple[int, ...]) -> str:
-    """PTX, K = 4: the registers `_lookup_asm` makes ($0..$3 from the field-word bundles
-    $4..$7, $8..$11) decoded in registers instead of read from the shared-memory table: the
-    step's 16 bits (4 nibbles) of a word select, by ``prmt``, the low and then the high bytes
-    of the table's 16 levels (`levels`: 4 registers of low bytes, entries 4i .. 4i + 3 in
-    register i, then 4 of high bytes, as immediates), bits 0..2 among 8 entries and bit 3
-    through a sign-replicated byte mask and ``lop3``; two ``prmt`` pair low and high bytes."""
-    lo, hi = levels[:4], levels[4:]
-    sel = _NIBBLE_MASK_SELECTORS[v]
-    out = []
-    for h in range(2):
-        w = f"${4 + 4 * h + r}"
-        take = (
-            f"and.b32 s, {w}, 0x7777;" if v == 0 else f"shr.b32 s, {w}, 16; and.b32 s, s, 0x7777;"
-        )
-        out.append(
-            f"shl.b32 a, {w}, 4; {take} prmt.b32 m, a, {w}, {sel:#x};\n"
-            f"prmt.b32 t0, {lo[0]:#x}, {lo[1]:#x}, s; prmt.b32 t1, {lo[2]:#x}, {lo[3]:#x}, s;"
-            " lop3.b32 l, t0, t1, m, 0xD8;\n"
-            f"prmt.b32 t0, {hi[0]:#x}, {hi[1]:#x}, s; prmt.b32 t1, {hi[2]:#x}, {hi[3]:#x}, s;"
-            " lop3.b32 u, t0, t1, m, 0xD8;\n"
-            f"prmt.b32 ${2 * h}, l, u, 0x5140; prmt.b32 ${2 * h + 1}, l, u, 0x7362;"
-        )
-    return "{ .reg .b32 a, s, m, t0, t1, l, u;\n" + "\n".join(out) + " }"
-
-
 @constexpr_function
 def _scale_fold_asm(j: int, r: int, ue8m0: bool) -> str:
     """PTX: $0..$3 = acc ($4..$7) + s * partial ($8..$11), s the scale of columns g ($0, $1)
@@ -200,7 +168,6 @@ def _scale_fold_asm(j: int, r: int, ue8m0: bool) -> str:
 
 
 _LOOKUP_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 4 + ["r"] * 24))
-_LOOKUP_REG_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 4 + ["r"] * 8))
 _FOLD_CONSTRAINTS = gl.constexpr(",".join(["=f"] * 4 + ["f"] * 8 + ["r"] * 4))
 _BASE_ASM = gl.constexpr("{ .reg .b32 b; mov.u32 b, global_smem; add.u32 $0, $1, b; }")
 
@@ -215,14 +182,6 @@ def _lookup(
         asm, _LOOKUP_CONSTRAINTS, [w0, w1, h0, h1, lb, sel], dtype=gl.int32, is_pure=True,
         pack=4,
     )  # fmt: skip
-
-
-@gluon.jit
-def _lookup_reg(w0, w1, R: gl.constexpr, V: gl.constexpr, LEVELS: gl.constexpr):
-    asm: gl.constexpr = _lookup_reg_asm(R, V, LEVELS)
-    return gl.inline_asm_elementwise(
-        asm, _LOOKUP_REG_CONSTRAINTS, [w0, w1], dtype=gl.int32, is_pure=True, pack=4
-    )
 
 
 @gluon.jit
@@ -296,11 +255,10 @@ def _load_chunk(
 def _chunk(
     ws, xs, ss, accs, lb, sel, W: gl.constexpr, L3: gl.constexpr, CH: gl.constexpr,
     TM: gl.constexpr, BITS: gl.constexpr, COPIES: gl.constexpr, IS_BF16: gl.constexpr,
-    UE8M0: gl.constexpr, REG_J: gl.constexpr, LEVELS: gl.constexpr,
+    UE8M0: gl.constexpr,
 ):  # fmt: skip
     """The CH blocks of a chunk: per block and word j, two mma steps into a fresh partial sum,
-    then acc += scale * partial. K = 4: the words j with bit j of REG_J set are decoded in
-    registers (`_lookup_reg`), the others through the shared-memory table."""
+    then acc += scale * partial."""
     NH: gl.constexpr = TM // 8
     NW: gl.constexpr = 16 if BITS % 2 == 1 else 8  # weight bundles per 4 blocks
     for rr in gl.static_range(CH):
@@ -312,10 +270,7 @@ def _chunk(
             h0 = ws[NW * (rr // SCALE_BLOCKS) + (NW - 8) + 2 * j]  # K = 2, 4: unused
             h1 = ws[NW * (rr // SCALE_BLOCKS) + (NW - 8) + 2 * j + 1]
             for v in gl.static_range(2):
-                if BITS == 4 and (REG_J >> j) % 2 == 1:
-                    a = _lookup_reg(w0, w1, rr % SCALE_BLOCKS, v, LEVELS)
-                else:
-                    a = _lookup(w0, w1, h0, h1, lb, sel, rr % SCALE_BLOCKS, v, BITS, COPIES)
+                a = _lookup(w0, w1, h0, h1, lb, sel, rr % SCALE_BLOCKS, v, BITS, COPIES)
                 if TM == 8:
                     part = _mma(xs[rr], a, part, v, TM, False, IS_BF16)
                 else:
@@ -550,8 +505,6 @@ def kbit_mma_kernel(
     LATE_RELEASE: gl.constexpr = False,  # PDL: let the next kernel launch once K is streamed
     TMA: gl.constexpr = False,  # weight words staged by TMA in a shared-memory slot
     S_TMA: gl.constexpr = False,  # with TMA, the scale words too (rows of 16-byte multiples)
-    REG_J: gl.constexpr = 0,  # K = 4: words j (bit j) decoded in registers, not by the table
-    LEVELS: gl.constexpr = (),  # with REG_J: `register_levels` of the table
 ):
     L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [W, 1, 1], [2, 1, 0])
     EW: gl.constexpr = 2 if BITS == 2 else 1  # table words per entry
@@ -681,10 +634,7 @@ def kbit_mma_kernel(
             )  # fmt: skip
             if S_TMA:
                 ss = sst
-            accs = _chunk(
-                ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16, UE8M0, REG_J,
-                LEVELS,
-            )  # fmt: skip
+            accs = _chunk(ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16, UE8M0)
             if not S_TMA:
                 ss = _load_scales(s_ptr, b_next, s_off, nb_ok, KBP, KBS, MASK_K)
             xs = _load_x(x_ptr, b_next, x_off, x_pair, K2, CH, TM)
@@ -693,18 +643,12 @@ def kbit_mma_kernel(
                 q_ptr, x_ptr, s_ptr, b_next, q_off, h_off, c, x_off, x_pair, s_off, nb_ok,
                 KBP, KBS, K2, CH, TM, BITS, MASK_K,
             )  # fmt: skip
-            accs = _chunk(
-                ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16, UE8M0, REG_J,
-                LEVELS,
-            )  # fmt: skip
+            accs = _chunk(ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16, UE8M0)
             ws = nws
             xs = nxs
             ss = nss
         else:
-            accs = _chunk(
-                ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16, UE8M0, REG_J,
-                LEVELS,
-            )  # fmt: skip
+            accs = _chunk(ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16, UE8M0)
             ws, xs, ss = _load_chunk(
                 q_ptr, x_ptr, s_ptr, b_next, q_off, h_off, c, x_off, x_pair, s_off, nb_ok,
                 KBP, KBS, K2, CH, TM, BITS, MASK_K,
@@ -717,9 +661,7 @@ def kbit_mma_kernel(
         if S_TMA:
             ss = sst
         mbarrier.invalidate(bar)  # its bytes may be reused by the sums below
-    accs = _chunk(
-        ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16, UE8M0, REG_J, LEVELS
-    )
+    accs = _chunk(ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16, UE8M0)
     if LATE_RELEASE:
         pdl.release(PDL)
 
@@ -880,27 +822,6 @@ def scales_by_tma(scales_int32: torch.Tensor, wk: int) -> bool:
     )
 
 
-#: K = 4 launches: the words j (bit j) whose lookups are decoded in registers (`_lookup_reg`)
-#: instead of read from the shared-memory table; 0: all from the table
-REG_DECODE_J = 0
-
-
-def register_levels(lut: torch.Tensor) -> tuple[int, ...]:
-    """The 16 levels of a K = 4 `lookup_table` (entry i < 16 holds level i in its low half) as
-    `_lookup_reg_asm` takes them: 4 registers of their low bytes, entries 4i .. 4i + 3 in
-    register i, then 4 of their high bytes. Kept on the table (read from the device once)."""
-    levels = getattr(lut, "_register_levels", None)
-    if levels is None:
-        half = [int(v) & 0xFFFF for v in lut[:16, 0].tolist()]
-        levels = tuple(
-            sum(((half[4 * i + b] >> shift) & 0xFF) << (8 * b) for b in range(4))
-            for shift in (0, 8)
-            for i in range(4)
-        )
-        lut._register_levels = levels
-    return levels
-
-
 def _launch(
     x2, qweight, scales, lut, rows, N, bits, bias, tm, token_tiles, *, group=None, ue8m0=False,
     planned_tiles=None, warps=4, chunk=4, ctas_per_sm=4, copies=1, pipe=False, maxnreg=None,
@@ -965,7 +886,6 @@ def _launch(
         o_desc = words_descriptor(words, [64, 4], owner) if bits % 2 else w_desc
     if stage_scales:  # the CTA's box: 64 rows of its warps' quads' scale words
         s_desc = words_descriptor(sw.view(-1, sw.shape[-1]), [64, wk], owner)
-    reg_j = REG_DECODE_J if bits == 4 else 0
     kbit_mma_kernel[grid](
         x2.view(torch.int32), qweight, sw, lut, bias if has_bias else out, out, ws, cnt,
         block_expert, block_row, m_indptr, gather if gather is not None else out,
@@ -979,7 +899,7 @@ def _launch(
         HAS_BIAS=has_bias, IS_BF16=x2.dtype == torch.bfloat16, UE8M0=ue8m0,
         GROUPED=grouped, GATHER=gather is not None,
         ACT=_ACT_CODES[fn.kind] if fuse else 0, num_warps=warps, TMA=stage_by_tma,
-        S_TMA=stage_scales, REG_J=reg_j, LEVELS=register_levels(lut) if reg_j else (),
+        S_TMA=stage_scales,
         LATE_RELEASE=fuse and not grouped and tiles > ctas_per_sm * sms,
         **pdl.launch_options(pdl.enabled(x2.device)),
         **({} if maxnreg is None else {"maxnreg": maxnreg}),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -47,7 +49,11 @@ class VocabParallelEmbedding(nn.Module):
         set_weight_attrs(self.weight, {"output_dim": 0, "weight_loader": self.weight_loader})
 
     def _init_shard(
-        self, num_embeddings: int, embedding_dim: int, padding_size: int, prefix: str
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_size: int = DEFAULT_VOCAB_PADDING,
+        prefix: str = "",
     ) -> None:
         self.prefix = prefix
         self.num_embeddings = num_embeddings
@@ -95,14 +101,15 @@ class ParallelLMHead(VocabParallelEmbedding):
         num_embeddings: int,
         embedding_dim: int,
         *,
-        params_dtype: torch.dtype | None = None,
-        padding_size: int = DEFAULT_VOCAB_PADDING,
         quant_config: QuantizationConfig | None = None,
-        prefix: str = "",
+        params_dtype: torch.dtype | None = None,
+        **shard: Any,
     ):
+        """`shard`: ``padding_size`` and ``prefix``, as `VocabParallelEmbedding` takes them."""
         nn.Module.__init__(self)
-        self._init_shard(num_embeddings, embedding_dim, padding_size, prefix)
-        method = quant_config.get_quant_method(self, prefix) if quant_config is not None else None
+        self._init_shard(num_embeddings, embedding_dim, **shard)
+        config = quant_config
+        method = config.get_quant_method(self, self.prefix) if config is not None else None
         self.quant_method: QuantizeMethodBase = method or UnquantizedLinearMethod()
         # the sizes a linear method reads from its layer
         rows = self.vocab_end - self.vocab_start

@@ -51,7 +51,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--methods",
         default=DEFAULTS["methods"],
         help="comma-separated: fp16 (unquantized, in --dtype), awq, gptq (sym, v1), gptq-asym, "
-        "gptq-v2, gptq-act, kbit2..kbit5, mxfp4",
+        "gptq-v2, gptq-act, kbit2..kbit5, kbit2-head..kbit5-head (the LM head quantized too), "
+        "mxfp4",
     )
     p.add_argument("--prompt-len", type=int, default=DEFAULTS["prompt_len"])
     p.add_argument("--batch-sizes", default=DEFAULTS["batch_sizes"], help="decode batch sizes")

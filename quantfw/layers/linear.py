@@ -12,6 +12,7 @@ from quantfw.layers.quantization.base import (
     QuantizationConfig,
     QuantizeMethodBase,
     UnquantizedLinearMethod,
+    create_layer_weights,
 )
 
 
@@ -49,17 +50,12 @@ class LinearBase(nn.Module):
     def _create(
         self, input_size_per_partition: int, output_partition_sizes: list[int], bias: bool
     ) -> None:
-        self.input_size_per_partition = input_size_per_partition
-        self.output_partition_sizes = output_partition_sizes
-        self.output_size_per_partition = sum(output_partition_sizes)
-        self.quant_method.create_weights(
+        create_layer_weights(
             self,
             input_size_per_partition,
             output_partition_sizes,
-            self.input_size,
-            self.output_size,
             self.params_dtype,
-            weight_loader=self.weight_loader,
+            self.weight_loader,
         )
         if bias:
             self.bias = nn.Parameter(

@@ -13,6 +13,7 @@ from quantfw.layers.quantization.base import (
     QuantizationConfig,
     QuantizeMethodBase,
     UnquantizedLinearMethod,
+    create_layer_weights,
 )
 from quantfw.layers.sharding import copy_shard, load_vocab_shard, set_weight_attrs, vocab_range
 
@@ -56,6 +57,7 @@ class VocabParallelEmbedding(nn.Module):
         prefix: str = "",
     ) -> None:
         self.prefix = prefix
+        self.padding_size = padding_size
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.tp_rank = qdist.get_tp_rank()
@@ -111,20 +113,15 @@ class ParallelLMHead(VocabParallelEmbedding):
         config = quant_config
         method = config.get_quant_method(self, self.prefix) if config is not None else None
         self.quant_method: QuantizeMethodBase = method or UnquantizedLinearMethod()
-        # the sizes a linear method reads from its layer
-        rows = self.vocab_end - self.vocab_start
-        self.input_size = self.input_size_per_partition = embedding_dim
+        self.input_size = embedding_dim
         self.output_size = num_embeddings  # the checkpoint tensor's rows
-        self.output_partition_sizes, self.output_size_per_partition = [rows], rows
         self.register_parameter("bias", None)
-        self.quant_method.create_weights(
+        create_layer_weights(
             self,
             embedding_dim,
-            [rows],
-            embedding_dim,
-            num_embeddings,
+            [self.vocab_end - self.vocab_start],
             params_dtype or torch.get_default_dtype(),
-            weight_loader=self.weight_loader,
+            self.weight_loader,
         )
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -147,17 +144,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         that would quantize the head is an error, as the embedding lookups need the dense rows."""
         head = cls.__new__(cls)
         nn.Module.__init__(head)
-        for key in (
-            "num_embeddings",
-            "embedding_dim",
-            "tp_rank",
-            "tp_size",
-            "num_embeddings_padded",
-            "vocab_start",
-            "vocab_end",
-        ):
-            setattr(head, key, getattr(embedding, key))
-        head.prefix = prefix
+        head._init_shard(
+            embedding.num_embeddings, embedding.embedding_dim, embedding.padding_size, prefix
+        )
         method = quant_config.get_quant_method(head, prefix) if quant_config is not None else None
         if method is not None and not isinstance(method, UnquantizedLinearMethod):
             raise ValueError(

@@ -45,6 +45,31 @@ class QuantizeMethodBase(ABC):
         raise NotImplementedError(f"{type(self).__name__} does not report runtime_nbytes")
 
 
+def create_layer_weights(
+    layer: nn.Module,
+    input_size_per_partition: int,
+    output_partition_sizes: list[int],
+    params_dtype: torch.dtype,
+    weight_loader: Any,
+) -> None:
+    """Record this rank's sizes on `layer` (which holds ``input_size``, ``output_size`` and
+    ``quant_method``) and let its method register the weights, loaded by `weight_loader`: how
+    every layer that takes its weight from a linear method (the linear layers, the LM head)
+    creates it."""
+    layer.input_size_per_partition = input_size_per_partition
+    layer.output_partition_sizes = output_partition_sizes
+    layer.output_size_per_partition = sum(output_partition_sizes)
+    layer.quant_method.create_weights(
+        layer,
+        input_size_per_partition,
+        output_partition_sizes,
+        layer.input_size,
+        layer.output_size,
+        params_dtype,
+        weight_loader=weight_loader,
+    )
+
+
 def check_divisible(layer: nn.Module, what: str, size: int, divisor: int, why: str) -> None:
     """Raise a clear error when a per-rank size would split a group or a packed int32."""
     if size % divisor:

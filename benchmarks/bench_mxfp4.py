@@ -5,8 +5,10 @@ For each token count, random router logits pick the experts; each method's full 
 (sort, W13 GEMM + bias, SwiGLU, W2 GEMM + bias, combine) is checked against the
 dequantize-per-expert reference, then timed as CUDA-graph replays over weight copies rotated so
 L2 holds none (``kernels.common.timing``). Methods: our Triton kernels with MXFP4 experts, the
-same kernels with bf16 experts (the grouped baseline) and, with ``--sweep``, the best of a grid
-of kernel configs for each (a few minutes per token count). The floor is the time to read the
+same kernels with bf16 experts (the grouped baseline), with ``--flashinfer`` FlashInfer's
+CUTLASS fused MoE on the same MXFP4 experts (SM90, bf16; `kernels.mxfp4.flashinfer_sm90`) and,
+with ``--sweep``, the best of a grid of kernel configs for each (a few minutes per token
+count). The floor is the time to read the
 experts actually routed to (MXFP4 blocks, scales and biases of each distinct expert, once) at
 the device's measured copy bandwidth. Targets (issue 19): decode (<= 16 tokens) within 1.5x the
 floor, prefill no slower than bf16.
@@ -71,9 +73,12 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 2 / (us * 1e-6)
 
 
-def make_experts(dtype: torch.dtype, copies: int, seed: int = 0):
-    """`copies` sets of ((MXFP4 W13, MXFP4 W2), b13, b2) of random experts."""
-    out = []
+def make_experts(dtype: torch.dtype, copies: int, seed: int = 0, flashinfer: bool = False):
+    """`copies` sets of ((MXFP4 W13, MXFP4 W2), b13, b2) of random experts, and with
+    `flashinfer` the same experts prepared for FlashInfer's SM90 fused MoE (else Nones)."""
+    from quantfw.kernels.fused import GatedAct
+
+    out, fi = [], []
     for c in range(copies):
         g = torch.Generator(device="cuda").manual_seed(seed + c)
         w13 = torch.randn(E, 2 * INTER, H, device="cuda", generator=g) * 0.02
@@ -84,7 +89,15 @@ def make_experts(dtype: torch.dtype, copies: int, seed: int = 0):
         del w13, w2
         mx = (grouped.Mxfp4Weights.pack(*q13), grouped.Mxfp4Weights.pack(*q2))
         out.append((mx, b13, b2))
-    return out
+        fi.append(None)
+        if flashinfer:
+            from quantfw.kernels.mxfp4 import flashinfer_sm90 as fs
+
+            padded = fs.pad_experts(*q13, *q2, b13, b2)
+            fi[-1] = fs.Sm90Experts.prepare(padded, GatedAct("swiglu_oai", 1.702, 7.0))
+            picks = fs.pick_tactics(fi[-1], TOP_K)  # timed once per shape
+            print(f"FlashInfer tactics (gemm1, gemm2) by tokens: {picks}", flush=True)
+    return out, fi
 
 
 def expert_bytes_mxfp4() -> int:
@@ -104,7 +117,7 @@ def _layer(x, weights, ids, w13, w2, b13, b2, config=None):
     )
 
 
-def bench_tokens(t: int, dtype, copies, dense, bw: float, sweep: bool) -> dict:
+def bench_tokens(t: int, dtype, copies, dense, fi, bw: float, sweep: bool) -> dict:
     g = torch.Generator(device="cuda").manual_seed(t)
     x = torch.randn(t, H, device="cuda", generator=g).to(dtype)
     logits = torch.randn(t, E, device="cuda", generator=g)
@@ -125,7 +138,17 @@ def bench_tokens(t: int, dtype, copies, dense, bw: float, sweep: bool) -> dict:
     mx_calls = [_layer(x, weights, ids, *c[0], c[1], c[2]) for c in copies]
     bf_calls = [_layer(x, weights, ids, *c) for c in dense]
     est = max(floor_us, 20.0)
-    mx_us, bf_us = graph_times([mx_calls, bf_calls], est)
+    groups = [mx_calls, bf_calls]
+    if fi[0] is not None:
+        from quantfw.kernels.mxfp4 import flashinfer_sm90
+
+        picks = flashinfer_sm90.tactics_for(flashinfer_sm90.pick_tactics(fi[0], TOP_K), t)
+        groups.append(
+            [lambda f=f: flashinfer_sm90.moe_forward(x, weights, ids, f, picks) for f in fi]
+        )
+        default = [lambda f=f: flashinfer_sm90.moe_forward(x, weights, ids, f) for f in fi]
+        groups.append(default)
+    mx_us, bf_us, *fi_us = graph_times(groups, est)
     row = {
         "tokens": t,
         "distinct_experts": distinct,
@@ -140,6 +163,13 @@ def bench_tokens(t: int, dtype, copies, dense, bw: float, sweep: bool) -> dict:
         "mxfp4_rel_err": err(mx_calls[0]),
         "bf16_rel_err": err(bf_calls[0]),
     }
+    if fi_us:
+        row["flashinfer_tactics"] = picks
+        row["flashinfer_default_tactics_us"] = round(fi_us[1], 2)
+        row["flashinfer_us"] = round(fi_us[0], 2)
+        row["flashinfer_over_floor"] = round(fi_us[0] / floor_us, 3)
+        row["flashinfer_over_mxfp4"] = round(fi_us[0] / mx_us, 3)
+        row["flashinfer_rel_err"] = err(groups[2][0])
     if sweep:
         for name, sets in (("mxfp4", [(*c[0], c[1], c[2]) for c in copies]), ("bf16", dense)):
             best = _best_config(
@@ -176,7 +206,7 @@ def _best_config(configs: list[dict], calls_for, err, est: float):
 def layer_bench(args) -> dict:
     dtype = getattr(torch, args.dtype)
     bw = copy_bandwidth()
-    copies = make_experts(dtype, 2)
+    copies, fi = make_experts(dtype, 2, flashinfer=args.flashinfer)
     dense = [
         (
             grouped.dequantize_dense(mx13, dtype),
@@ -188,7 +218,7 @@ def layer_bench(args) -> dict:
     ]
     rows = []
     for t in args.tokens:
-        rows.append(bench_tokens(t, dtype, copies, dense, bw, t in args.sweep_tokens))
+        rows.append(bench_tokens(t, dtype, copies, dense, fi, bw, t in args.sweep_tokens))
         print(json.dumps(rows[-1]), flush=True)
     return {"bandwidth_GBps": round(bw / 1e9, 1), "rows": rows}
 
@@ -199,6 +229,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--sweep", action="store_true", help="also time a grid of kernel configs")
+    ap.add_argument(
+        "--flashinfer",
+        action="store_true",
+        help="also time FlashInfer's SM90 CUTLASS fused MoE (bfloat16, needs flashinfer)",
+    )
     ap.add_argument(
         "--sweep-tokens", default=None, help="token counts to sweep (default: all of --tokens)"
     )

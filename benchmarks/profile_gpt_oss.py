@@ -22,6 +22,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 import profile_decode  # noqa: E402
 
 MOE_KINDS = [
+    # FlashInfer's CUTLASS fused MoE (mxfp4-flashinfer): its grouped GEMMs and routing kernels
+    # (first: CUTLASS's template names contain words the patterns below match)
+    ("moe flashinfer", r"cutlass|tensorrt_llm"),
     ("moe lookup mma", r"kbit_mma"),
     ("moe grouped gemm", r"grouped_gemm"),
     ("moe dequantize", r"_dequantize_kernel"),
@@ -39,7 +42,11 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,16")
     ap.add_argument("--out", default=None)
     ap.add_argument("--random-prompts", action="store_true")
-    ap.add_argument("--methods", default="mxfp4,bf16", help="mxfp4 experts, bf16 experts")
+    ap.add_argument(
+        "--methods",
+        default="mxfp4,bf16",
+        help="mxfp4 experts, mxfp4-flashinfer (the same through FlashInfer), bf16 experts",
+    )
     args = ap.parse_args()
     config, _ = read_hf_config("gpt-oss-20b")
     report = {
@@ -48,13 +55,18 @@ def main() -> None:
         "runs": {},
     }
     with tempfile.TemporaryDirectory() as tmp:
-        quants = {"mxfp4": config["quantization_config"], "bf16": None}
+        mxfp4 = config["quantization_config"]
+        quants = {
+            "mxfp4": (mxfp4, {}),
+            "mxfp4-flashinfer": (mxfp4, {"quantization_args": {"moe_backend": "flashinfer"}}),
+            "bf16": (None, {}),
+        }
         for name in args.methods.split(","):
-            quant = quants[name]
+            quant, extra = quants[name]
             folder = write_config_folder(config, os.path.join(tmp, name), quant)
             engine = LLMEngine(
                 folder, dtype="bfloat16", load_format="dummy", max_model_len=1024,
-                max_num_seqs=16, cuda_graphs=True, decode_window=1,
+                max_num_seqs=16, cuda_graphs=True, decode_window=1, **extra,
             )  # fmt: skip
             for b in (int(x) for x in args.batch_sizes.split(",")):
                 gen = torch.Generator().manual_seed(b)

@@ -95,6 +95,12 @@ def method_table(group_size: int = DEFAULT_GROUP_SIZE) -> dict[str, BenchMethod]
             for k in (2, 3, 4, 5)
         ),
         BenchMethod("mxfp4", "mxfp4", {"quant_method": "mxfp4"}),
+        BenchMethod(
+            "mxfp4-flashinfer",
+            "mxfp4",
+            {"quant_method": "mxfp4"},
+            quantization_args={"moe_backend": "flashinfer"},
+        ),
     ]
     return {m.name: m for m in table}
 

@@ -52,7 +52,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=DEFAULTS["methods"],
         help="comma-separated: fp16 (unquantized, in --dtype), awq, gptq (sym, v1), gptq-asym, "
         "gptq-v2, gptq-act, kbit2..kbit5, kbit2-head..kbit5-head (the LM head quantized too), "
-        "mxfp4",
+        "mxfp4, mxfp4-flashinfer (experts through FlashInfer; needs it installed)",
     )
     p.add_argument("--prompt-len", type=int, default=DEFAULTS["prompt_len"])
     p.add_argument("--batch-sizes", default=DEFAULTS["batch_sizes"], help="decode batch sizes")

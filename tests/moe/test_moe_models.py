@@ -111,7 +111,9 @@ BF16_TOL = 6e-2
 TIE_TOL = 5e-2
 
 
-def _routed_bf16_check(device: str, moe_checkpoints, rel_err, seed: int = 0) -> None:
+def _routed_bf16_check(
+    device: str, moe_checkpoints, rel_err, seed: int = 0, quantization_args=None
+) -> None:
     """quantfw's bfloat16 GPT-OSS on `device` against transformers' float32 model with the same
     (MXFP4-rounded) weights, routed like the model under test.
 
@@ -125,7 +127,9 @@ def _routed_bf16_check(device: str, moe_checkpoints, rel_err, seed: int = 0) -> 
     logits and (3) the output logits are within `BF16_TOL` (everything else)."""
     folder = moe_checkpoints["gpt_oss_mxfp4"]
     reference = tiny_moe.rounded_reference(moe_checkpoints["gpt_oss"], folder)
-    model = quantfw.load_model(folder, device=device, dtype="bfloat16")
+    model = quantfw.load_model(
+        folder, device=device, dtype="bfloat16", quantization_args=quantization_args
+    )
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, tiny_moe.VOCAB, (2, SEQ), generator=g)
     chosen, router_logits, unhook = tiny_moe.record_routing(model)
@@ -180,3 +184,52 @@ def test_gpu_engine_with_cuda_graphs_matches_transformers(moe_checkpoints):
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     outs = llm.generate(PROMPTS, params)
     assert [o.outputs[0].token_ids for o in outs] == tiny_moe.hf_greedy(reference, PROMPTS, MAX_NEW)
+
+
+FLASHINFER = {"moe_backend": "flashinfer"}
+
+
+def test_flashinfer_backend_off_its_gpus_is_a_clear_error(moe_checkpoints):
+    with pytest.raises(ValueError, match=r"experts: mxfp4 moe_backend='flashinfer' needs"):
+        quantfw.load_model(
+            moe_checkpoints["gpt_oss_mxfp4"], device="cpu", quantization_args=FLASHINFER
+        )
+    with pytest.raises(ValueError, match="moe_backend='cutlass'; supported: auto, triton"):
+        quantfw.load_model(
+            moe_checkpoints["gpt_oss_mxfp4"],
+            device="cpu",
+            quantization_args={"moe_backend": "cutlass"},
+        )
+
+
+def _sm90_flashinfer() -> None:
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("FlashInfer's fused MoE runs on SM90 here")
+    pytest.importorskip("flashinfer")
+
+
+@pytest.mark.gpu
+def test_gpu_flashinfer_experts_match_transformers_routed_alike(moe_checkpoints, rel_err):
+    """The tiny GPT-OSS (hidden and intermediate sizes padded to 128) with its MXFP4 experts in
+    FlashInfer's SM90 fused MoE, bfloat16 (see `_routed_bf16_check`)."""
+    _sm90_flashinfer()
+    _routed_bf16_check("cuda", moe_checkpoints, rel_err, quantization_args=FLASHINFER)
+
+
+@pytest.mark.gpu
+def test_gpu_flashinfer_experts_under_cuda_graphs(moe_checkpoints):
+    """The engine captures FlashInfer's fused MoE in its decode graphs: greedy tokens with
+    graphs equal those without."""
+    from quantfw.engine import LLM, SamplingParams
+
+    _sm90_flashinfer()
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    outs = {}
+    for graphs in (False, True):
+        llm = LLM(
+            moe_checkpoints["gpt_oss_mxfp4"], device="cuda", dtype="bfloat16", block_size=4,
+            cuda_graphs=graphs, quantization_args=FLASHINFER,
+        )  # fmt: skip
+        outs[graphs] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        del llm
+    assert outs[True] == outs[False]

@@ -12,7 +12,9 @@ docs/formats.md).
 
 Runtime: on Blackwell with FlashInfer installed, experts go through FlashInfer's MXFP8 x MXFP4
 grouped GEMM (`quantfw.kernels.mxfp4.flashinfer`; scales swizzled once after loading; not
-run on hardware by this project yet); on other CUDA GPUs (compute capability >= 8.0, Triton
+run on hardware by this project yet); on Hopper with ``moe_backend: "flashinfer"`` (opt-in,
+bf16) through FlashInfer's CUTLASS fused MoE (`quantfw.kernels.mxfp4.flashinfer_sm90`); on
+other CUDA GPUs (compute capability >= 8.0, Triton
 installed) the weights are repacked once after loading (`quantfw.kernels.mxfp4.layout`) for
 our grouped kernels (`quantfw.kernels.mxfp4.grouped`; a dense layer is a group of one);
 elsewhere one expert (or layer) at a time is dequantized for a plain matmul and freed after
@@ -58,8 +60,19 @@ class Mxfp4Config(QuantizationConfig):
     such as GPT-OSS's ``model.layers.*.self_attn``). Experts and dense linear layers not listed
     there are MXFP4; routers are always built unquantized by the models."""
 
-    def __init__(self, *, modules_to_not_convert: list[str] | None = None):
+    #: ``moe_backend`` values: "auto" (FlashInfer on Blackwell when installed, else our
+    #: kernels), "triton" (our kernels), "flashinfer" (FlashInfer on SM90 or SM100+, or an error)
+    MOE_BACKENDS = ("auto", "triton", "flashinfer")
+
+    def __init__(
+        self, *, modules_to_not_convert: list[str] | None = None, moe_backend: str = "auto"
+    ):
         self.modules_to_not_convert = list(modules_to_not_convert or [])
+        if moe_backend not in self.MOE_BACKENDS:
+            raise ValueError(
+                f"mxfp4: moe_backend={moe_backend!r}; supported: {', '.join(self.MOE_BACKENDS)}"
+            )
+        self.moe_backend = moe_backend
 
     @classmethod
     def get_name(cls) -> str:
@@ -67,7 +80,10 @@ class Mxfp4Config(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Mxfp4Config:
-        return cls(modules_to_not_convert=config.get("modules_to_not_convert"))
+        return cls(
+            modules_to_not_convert=config.get("modules_to_not_convert"),
+            moe_backend=config.get("moe_backend", "auto"),
+        )
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         from quantfw.layers.linear import LinearBase
@@ -75,7 +91,9 @@ class Mxfp4Config(QuantizationConfig):
 
         if isinstance(layer, FusedMoE):
             return (
-                UnquantizedFusedMoEMethod() if self.is_layer_skipped(prefix) else Mxfp4MoEMethod()
+                UnquantizedFusedMoEMethod()
+                if self.is_layer_skipped(prefix)
+                else Mxfp4MoEMethod(self.moe_backend, prefix)
             )
         if isinstance(layer, LinearBase):
             return (
@@ -84,7 +102,10 @@ class Mxfp4Config(QuantizationConfig):
         return None
 
     def __repr__(self) -> str:
-        return f"Mxfp4Config(modules_to_not_convert={self.modules_to_not_convert})"
+        return (
+            f"Mxfp4Config(modules_to_not_convert={self.modules_to_not_convert}, "
+            f"moe_backend={self.moe_backend!r})"
+        )
 
 
 def _check_blocks(layer: nn.Module, what: str, size: int) -> None:
@@ -181,6 +202,10 @@ class Mxfp4MoEMethod(FusedMoEMethodBase):
 
     intermediate_alignment = mxfp4.BLOCK_SIZE
 
+    def __init__(self, backend: str = "auto", prefix: str = ""):
+        self.backend = backend
+        self.prefix = prefix
+
     def create_weights(  # type: ignore[override]
         self,
         layer: nn.Module,
@@ -235,19 +260,38 @@ class Mxfp4MoEMethod(FusedMoEMethodBase):
             create_expert_biases(layer, e, h, i, params_dtype, **extra)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """On Blackwell with FlashInfer: pad the experts and swizzle their scales once for
-        FlashInfer's grouped GEMM (buffers ``w13_fi_*``/``w2_fi_*``) and drop the checkpoint
-        tensors. On other GPUs the Triton kernels serve: repack into their runtime layout
-        (`mxfp4.layout`; buffers ``w13_qweight``, ``w13_qscales``, ``w2_*``). On the CPU the
-        checkpoint layout is what the per-expert path reads."""
-        from quantfw.kernels.mxfp4 import flashinfer
+        """Repack the experts once for the backend `_backend` picks: FlashInfer on Blackwell
+        (padded, scales swizzled: buffers ``w13_fi_*``/``w2_fi_*``), FlashInfer on SM90
+        (`flashinfer_sm90`: [up | gate], padded to 128, interleaved: buffers ``fi90_*``; GEMM
+        tactics picked by timing, `flashinfer_sm90.pick_tactics`), or our
+        Triton kernels (`mxfp4.layout`: buffers ``w13_qweight``, ``w13_qscales``, ``w2_*``).
+        On the CPU the checkpoint layout is what the per-expert path reads."""
+        backend = self._backend(layer)
+        if backend == "flashinfer_sm90":
+            from quantfw.kernels.mxfp4 import flashinfer_sm90
 
-        fp16 = layer.params_dtype in (torch.float16, torch.bfloat16)
-        if not fp16 or not flashinfer.available(layer.w13_blocks.device):
+            w13_bias, w2_bias = layer.expert_biases()
+            padded = flashinfer_sm90.pad_experts(
+                layer.w13_blocks.data, layer.w13_scales.data,
+                layer.w2_blocks.data, layer.w2_scales.data, w13_bias, w2_bias,
+            )  # fmt: skip
+            experts = flashinfer_sm90.Sm90Experts.prepare(padded, layer.activation.spec)
+            tactics = flashinfer_sm90.pick_tactics(experts, layer.top_k)
+            replace_with_buffers(
+                layer,
+                ("w13_blocks", "w13_scales", "w2_blocks", "w2_scales"),
+                {f"fi90_{name}": t for name, t in experts.tensors().items()},
+            )
+            layer.fi90_hidden_size = experts.hidden_size
+            layer.fi90_tactics = tactics
+            return
+        if backend == "triton":
             gated = isinstance(layer.activation, GatedActivation)
             _pack_for_gpu(layer, "w13", kbit.GATED_GROUP if gated else 0)
             _pack_for_gpu(layer, "w2")
             return
+        from quantfw.kernels.mxfp4 import flashinfer
+
         w13 = flashinfer.FlashInferWeights.prepare(layer.w13_blocks.data, layer.w13_scales.data)
         w2 = flashinfer.FlashInferWeights.prepare(layer.w2_blocks.data, layer.w2_scales.data)
         replace_with_buffers(
@@ -262,6 +306,28 @@ class Mxfp4MoEMethod(FusedMoEMethodBase):
         )
         layer.flashinfer_sizes = ((w13.n, w13.k), (w2.n, w2.k))
 
+    def _backend(self, layer: nn.Module) -> str:
+        """The path for this layer's device, dtype and `backend` choice: "flashinfer_sm100",
+        "flashinfer_sm90" or "triton" (which is the per-expert path off CUDA)."""
+        from quantfw.kernels.mxfp4 import flashinfer, flashinfer_sm90
+
+        device, dtype = layer.w13_blocks.device, layer.params_dtype
+        fp16 = dtype in (torch.float16, torch.bfloat16)
+        if self.backend == "triton":
+            return "triton"
+        if self.backend == "auto":
+            return "flashinfer_sm100" if fp16 and flashinfer.available(device) else "triton"
+        if fp16 and flashinfer.available(device):
+            return "flashinfer_sm100"
+        if dtype == torch.bfloat16 and flashinfer_sm90.available(device):
+            return "flashinfer_sm90"
+        raise ValueError(
+            f"{self.prefix}: mxfp4 moe_backend='flashinfer' needs FlashInfer installed and "
+            "either an SM90 GPU with bfloat16 activations (its CUTLASS fused MoE) or an SM100+ "
+            f"GPU with float16/bfloat16 (its MXFP4 grouped GEMM); this layer is {dtype} on "
+            f"{device}. Use moe_backend 'auto' or 'triton' for quantfw's own kernels."
+        )
+
     def apply(  # type: ignore[override]
         self,
         layer: nn.Module,
@@ -269,6 +335,12 @@ class Mxfp4MoEMethod(FusedMoEMethodBase):
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
     ) -> torch.Tensor:
+        if getattr(layer, "fi90_hidden_size", None) is not None:
+            from quantfw.kernels.mxfp4 import flashinfer_sm90
+
+            experts = flashinfer_sm90.Sm90Experts.from_layer(layer, "fi90_")
+            tactics = flashinfer_sm90.tactics_for(layer.fi90_tactics, x.shape[0])
+            return flashinfer_sm90.moe_forward(x, topk_weights, topk_ids, experts, tactics)
         w13_bias, w2_bias = layer.expert_biases()
         if getattr(layer, "w13_fi_b", None) is not None:
             from quantfw.kernels.mxfp4 import flashinfer

@@ -23,15 +23,23 @@ def _ops():
     return mxfp8_quantize, group_gemm_mxfp4_nt_groupwise
 
 
-def available(device: torch.device) -> bool:
-    """A Blackwell GPU with FlashInfer's MXFP4 grouped GEMM importable."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 10:
+def cuda_with(
+    device: torch.device, capability_ok: Callable[[tuple[int, int]], bool], ops: Callable
+) -> bool:
+    """A CUDA `device` whose compute capability passes `capability_ok`, with FlashInfer's
+    `ops` (a function that imports them) importable."""
+    if device.type != "cuda" or not capability_ok(torch.cuda.get_device_capability(device)):
         return False
     try:
-        _ops()
+        ops()
     except ImportError:
         return False
     return True
+
+
+def available(device: torch.device) -> bool:
+    """A Blackwell GPU with FlashInfer's MXFP4 grouped GEMM importable."""
+    return cuda_with(device, lambda cap: cap[0] >= 10, _ops)
 
 
 @dataclass

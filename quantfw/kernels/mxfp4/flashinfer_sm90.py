@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from quantfw.kernels.fused import GatedAct
+from quantfw.kernels.mxfp4.flashinfer import cuda_with
+from quantfw.kernels.mxfp4.flashinfer_layout import round_up
 
 #: hidden and intermediate sizes are padded to multiples of this
 ALIGN = 128
@@ -52,17 +54,7 @@ def _ops():
 
 def available(device: torch.device) -> bool:
     """An SM90 GPU with FlashInfer's fused MoE importable."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
-        return False
-    try:
-        _ops()
-    except ImportError:
-        return False
-    return True
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
+    return cuda_with(device, lambda cap: cap == (9, 0), _ops)
 
 
 @dataclass
@@ -93,7 +85,7 @@ def pad_experts(
     ``[E, 2I]`` and ``[E, H]``) -> `PaddedExperts`."""
     e, two_i, h_groups, _ = w13_blocks.shape
     i, h = two_i // 2, h_groups * 32
-    i_pad, h_pad = _round_up(i, ALIGN), _round_up(h, ALIGN)
+    i_pad, h_pad = round_up(i, ALIGN), round_up(h, ALIGN)
 
     def up_gate(t: torch.Tensor, width: int, width_pad: int) -> torch.Tensor:
         out = t.new_zeros(e, 2 * i_pad, width_pad)
@@ -192,7 +184,8 @@ class Sm90Experts:
 #: time and timing it picks worse tactics than the defaults (mxfp4-lab-log §28)
 TUNE_TOKENS = (128, 256, 512, 1024, 2048, 4096, 8192)
 
-# picked tactics by (experts, 2 I_pad, H_pad, top_k, activation): layers of one shape pick once
+# picked tactics by (device, experts, 2 I_pad, H_pad, top_k, activation): layers of one shape
+# pick once
 _TACTICS: dict[tuple, dict[int, tuple[int, int]]] = {}
 
 
@@ -236,10 +229,10 @@ def pick_tactics(experts: Sm90Experts, top_k: int) -> dict[int, tuple[int, int]]
     later calls here; its untuned default ran a 4096-token GPT-OSS-20B layer 4x slower than
     quantfw's kernels (mxfp4-lab-log §28). The picks go to FlashInfer as ``profile_ids``."""
     e, two_i, h_pad = experts.w13.shape[0], experts.w13.shape[1], experts.w2.shape[1]
-    key = (e, two_i, h_pad, top_k, experts.alpha is None)
+    dev = experts.w13.device
+    key = (dev, e, two_i, h_pad, top_k, experts.alpha is None)
     if key in _TACTICS:
         return _TACTICS[key]
-    dev = experts.w13.device
     g = torch.Generator(device=dev).manual_seed(0)
     picks: dict[int, tuple[int, int]] = {}
     for t in TUNE_TOKENS:
@@ -297,4 +290,6 @@ def moe_forward(
         profile_ids=profile_ids,
         output=out,
     )
-    return out if h_pad == experts.hidden_size else out[:, : experts.hidden_size]
+    if h_pad == experts.hidden_size:
+        return out
+    return out[:, : experts.hidden_size].contiguous()  # the all-reduce under TP needs it whole

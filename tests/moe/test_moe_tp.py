@@ -90,12 +90,37 @@ def test_tp2_on_two_gpus_equals_tp1(moe_checkpoints, rel_err, tmp_path, dtype):
     if dtype == "bfloat16" and is_sm90(torch.device("cuda")):
         for experts in (6, 8):  # the tiny GPT-OSS's and Qwen3-MoE's: 256 tokens x top 2
             assert grouped_gemm.default_config(512, experts, 64, 64, hopper=True).get("WGMMA")
+    _tp2_equals_tp1(
+        moe_checkpoints, rel_err, tmp_path, names, margin, tol, {"device": "cuda", "dtype": dtype}
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_tp2_flashinfer_experts_on_two_gpus_equal_tp1(moe_checkpoints, rel_err, tmp_path):
+    """FlashInfer's SM90 fused MoE (bf16) on each rank's padded intermediate shard."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("FlashInfer's fused MoE runs on SM90 here")
+    pytest.importorskip("flashinfer")
+    names, margin, tol = _GPU_TP_CASES["bfloat16"]
+    gpu = {
+        "device": "cuda",
+        "dtype": "bfloat16",
+        "quantization_args": {"moe_backend": "flashinfer"},
+    }
+    _tp2_equals_tp1(moe_checkpoints, rel_err, tmp_path, names, margin, tol, gpu)
+
+
+def _tp2_equals_tp1(moe_checkpoints, rel_err, tmp_path, names, margin, tol, gpu) -> None:
+    """Each of `names` loaded with `gpu` (load_model's arguments) at TP = 2 gives TP = 1's
+    logits on the rows no near-tied routing decision feeds (at least a quarter of them)."""
     gen = torch.Generator().manual_seed(99)
     batches = [
         torch.randint(0, tiny_moe.VOCAB, shape, generator=gen)
         for shape in ((1, 2), (2, 23), (4, 64))
     ]
-    gpu = {"device": "cuda", "dtype": dtype}
+    dtype = gpu["dtype"]
     results = tp2_logits([[moe_checkpoints[n], gpu] for n in names], batches, tmp_path)
     for name, result in zip(names, results):
         assert "error" not in result, f"{name}: {result.get('error')}"

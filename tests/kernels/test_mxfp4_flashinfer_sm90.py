@@ -55,9 +55,12 @@ def test_pad_experts_puts_up_before_gate_and_pads_with_zeros(h, i):
 
 
 def test_pad_experts_without_biases():
-    (b13, s13), (b2, s2), _, _ = _random_experts(2, 128, 128)
+    (b13, s13), (b2, s2), bias13, _ = _random_experts(2, 128, 128)
     p = fs.pad_experts(b13, s13, b2, s2, None, None)
     assert p.b13 is None and p.b2 is None
+    # a TP rank other than 0 has W13's bias but adds no W2 bias: FlashInfer gets zeros
+    p = fs.pad_experts(b13, s13, b2, s2, bias13, None)
+    assert p.b2.shape == (2, 128) and p.b2.dtype == bias13.dtype and not p.b2.any()
 
 
 def test_activation_args():

@@ -227,10 +227,11 @@ def pick_tactics(experts: Sm90Experts, top_k: int) -> dict[int, tuple[int, int]]
     """Each GEMM's fastest CUTLASS tactic at each of `TUNE_TOKENS`, timed on random inputs
     (GEMM1's with GEMM2's default, then GEMM2's with GEMM1's pick), once per shape.
 
-    FlashInfer's own autotuner (``autotune()``) keys its in-memory winners by the runner
-    instance that `cutlass_fused_moe` creates anew on every call, so its picks did not reach
-    later calls here; its untuned default ran a 4096-token GPT-OSS-20B layer 4x slower than
-    quantfw's kernels (mxfp4-lab-log §28). The picks go to FlashInfer as ``profile_ids``."""
+    FlashInfer's own autotuner (``autotune()``) ran here but its picks did not reach later
+    calls (likely: its in-memory winners are keyed by the runner instance, which
+    `cutlass_fused_moe` makes anew on every call), and its untuned default ran a 4096-token
+    GPT-OSS-20B layer 4x slower than quantfw's kernels (mxfp4-lab-log §28). The picks go to
+    FlashInfer as ``profile_ids``."""
     e, two_i, h_pad = experts.w13.shape[0], experts.w13.shape[1], experts.w2.shape[1]
     dev = experts.w13.device
     key = (dev, e, two_i, h_pad, top_k, experts.alpha is None)

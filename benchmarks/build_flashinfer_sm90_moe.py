@@ -134,17 +134,23 @@ def main() -> None:
         os.symlink("libnvrtc.so.13", nvrtc_lib / "libnvrtc.so")
     ninja_file.write_text(trimmed_ninja(ninja_file.read_text(), args.headers, stub_dir, nvrtc_lib))
     library = str(spec.jit_library_path)
+    # ninja runs in the build folder, where its own log and dependency files belong
     commands = subprocess.run(
-        ["ninja", "-f", str(ninja_file), "-t", "query", library], capture_output=True, text=True
+        ["ninja", "-f", str(ninja_file), "-t", "query", library],
+        capture_output=True,
+        text=True,
+        cwd=build_dir,
     ).stdout
     objects = [ln.strip() for ln in commands.split("input:")[1].split("outputs:")[0].split("\n")]
     objects = [o for o in objects if o.endswith(".o")]
     print(f"{len(objects)} translation units")
     subprocess.run(
-        ["ninja", "-k", "0", "-j", str(args.jobs), "-f", str(ninja_file), *objects], check=True
+        ["ninja", "-k", "0", "-j", str(args.jobs), "-f", str(ninja_file), *objects],
+        check=True,
+        cwd=build_dir,
     )
     driver_stub(build_dir, stub_dir)
-    subprocess.run(["ninja", "-f", str(ninja_file), library], check=True)
+    subprocess.run(["ninja", "-f", str(ninja_file), library], check=True, cwd=build_dir)
 
     args.carry.mkdir(parents=True, exist_ok=True)
     (args.carry / "fused_moe_90.so").write_bytes(Path(library).read_bytes())

@@ -96,7 +96,8 @@ def make_experts(dtype: torch.dtype, copies: int, seed: int = 0, flashinfer: boo
             padded = fs.pad_experts(*q13, *q2, b13, b2)
             fi[-1] = fs.Sm90Experts.prepare(padded, GatedAct("swiglu_oai", 1.702, 7.0))
             picks = fs.pick_tactics(fi[-1], TOP_K)  # timed once per shape
-            print(f"FlashInfer tactics (gemm1, gemm2) by tokens: {picks}", flush=True)
+            if c == 0:
+                print(f"FlashInfer tactics (gemm1, gemm2) by tokens: {picks}", flush=True)
     return out, fi
 
 

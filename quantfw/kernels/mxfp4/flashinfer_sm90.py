@@ -239,14 +239,16 @@ def pick_tactics(experts: Sm90Experts, top_k: int) -> dict[int, tuple[int, int]]
         return _TACTICS[key]
     g = torch.Generator(device=dev).manual_seed(0)
     picks: dict[int, tuple[int, int]] = {}
+    first = second = None
     for t in TUNE_TOKENS:
         x = torch.randn(t, experts.hidden_size, generator=g, device=dev).bfloat16()
         ids = torch.rand(t, e, generator=g, device=dev).argsort(-1)[:, :top_k]
         weights = torch.full((t, top_k), 1.0 / top_k, device=dev)
-        moe_forward(x, weights, ids, experts)  # creates the runner
-        runner = _runner()
-        first = list(runner.get_valid_tactics_for_shape(1, two_i, h_pad))
-        second = list(runner.get_valid_tactics_for_shape(2, h_pad, two_i // 2))
+        if first is None:  # the first call creates the runner; its tactics depend on the shape
+            moe_forward(x, weights, ids, experts)
+            runner = _runner()
+            first = list(runner.get_valid_tactics_for_shape(1, two_i, h_pad))
+            second = list(runner.get_valid_tactics_for_shape(2, h_pad, two_i // 2))
 
         def call(pair: list[int], x=x, weights=weights, ids=ids) -> torch.Tensor:
             return moe_forward(x, weights, ids, experts, pair)

@@ -121,6 +121,8 @@ def main() -> None:
     ap.add_argument("--carry", type=Path, default=Path(__file__).resolve().parents[1] / ".carry")
     args = ap.parse_args()
 
+    # no GPU here: FlashInfer's JIT takes its target from this list instead of the devices
+    os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", "9.0a")
     import flashinfer
     from flashinfer.jit.fused_moe import gen_cutlass_fused_moe_sm90_module
 

@@ -10,16 +10,20 @@ TP = 2 on two H200s, 2026-11-26: `benchmarks/mxfp4-lab-log.md` §21).
     python benchmarks/profile_prefill.py gpt-oss-20b --methods fp16,mxfp4
     torchrun --nproc-per-node 2 benchmarks/profile_prefill.py gpt-oss-20b --methods fp16,mxfp4
 
-This is the diag of that finding (`results/tp2/tp_prefill.py.txt`) made reusable; it ran on the
-CPU (one process and two under torchrun, gloo), not yet on a GPU. The diag's exit hung on the
-GPUs after its output (its engine was alive at the process group's teardown); this script
-deletes each engine first, as `quantfw bench` does. Run it under `timeout` there.
+With ``--python-profile N`` one more prefill runs under cProfile and its top N Python
+functions are printed (by own time and with callees): where the host's time goes when wall
+time is well above busy time (mxfp4-lab-log §30). Its engines are deleted before the process
+group's teardown (a diag that kept one alive hung at exit on the GPUs); run it under `timeout`
+there.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import re
 import statistics
 import tempfile
@@ -62,11 +66,33 @@ def timed_prefill(engine, prompt: list[int], sync) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def report(engine, method: str, prompts: list[list[int]], on_gpu: bool) -> None:
-    """The leader's measurements: every prompt but the last timed, the last profiled."""
+def python_profile(engine, prompt: list[int], sync, top: int) -> None:
+    """One more prefill under cProfile: the Python functions with the most own time, and
+    those with the most time including their callees (launch wrappers, descriptors, plans)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    wall = timed_prefill(engine, prompt, sync)
+    prof.disable()
+    print(f"   python-profiled prefill {wall:.1f} ms wall")
+    for key in ("tottime", "cumtime"):
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats(key).print_stats(top)
+        lines = out.getvalue().splitlines()
+        start = next(i for i, ln in enumerate(lines) if ln.lstrip().startswith("ncalls"))
+        print(f"   by {key}:")
+        print("\n".join("   " + ln for ln in lines[start : start + top + 1]))
+
+
+def report(
+    engine, method: str, prompts: list[list[int]], on_gpu: bool, python_top: int = 0
+) -> None:
+    """The leader's measurements: every prompt but the last (or, with `python_top`, the last
+    two) timed, the next profiled by torch.profiler, the last by cProfile."""
     from quantfw import distributed as qdist
 
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    if python_top:
+        prompts, extra = prompts[:-1], prompts[-1]
     walls = [timed_prefill(engine, p, sync) for p in prompts[:-1]]
     print(
         f"{method} tp={qdist.get_tp_size()}: prefill ms {[round(w, 1) for w in walls]}, "
@@ -84,6 +110,8 @@ def report(engine, method: str, prompts: list[list[int]], on_gpu: bool) -> None:
         print(f"   {us / 1e3:8.2f} ms  {name}")
     for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:8]:
         print(f"   host {e.self_cpu_time_total / 1e3:8.2f} ms x{e.count:5d}  {e.key[:70]}")
+    if python_top:
+        python_profile(engine, extra, sync, python_top)
 
 
 def main() -> None:
@@ -104,6 +132,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=6, help="timed prefills before the profiled")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument(
+        "--python-profile", type=int, default=0, metavar="N",
+        help="one more prefill under cProfile: its top N Python functions",
+    )  # fmt: skip
     args = ap.parse_args()
     qdist.init_distributed(qdist.world_size_from_env())
     on_gpu = torch.cuda.is_available()
@@ -111,7 +143,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     prompts = [
         torch.randint(0, config["vocab_size"], (args.prompt_len,), generator=gen).tolist()
-        for _ in range(args.repeats + 1)
+        for _ in range(args.repeats + 1 + (args.python_profile > 0))
     ]
     rank = qdist.global_rank_from_env()
     with tempfile.TemporaryDirectory() as tmp:
@@ -123,7 +155,10 @@ def main() -> None:
                 max_model_len=args.max_model_len, max_num_seqs=16, tokenizer=None,
                 **method.engine_kwargs(),
             )  # fmt: skip
-            leader_session(engine, lambda e=engine, m=method.name: report(e, m, prompts, on_gpu))
+            leader_session(
+                engine,
+                lambda e=engine, m=method.name: report(e, m, prompts, on_gpu, args.python_profile),
+            )
             del engine
             if on_gpu:
                 torch.cuda.empty_cache()

@@ -262,3 +262,31 @@ def test_modules_to_not_convert_regex_like_gpt_oss():
         64, 16, 4, 2, quant_config=cfg, prefix="model.layers.0.self_attn.qkv_proj"
     )
     assert isinstance(layer.quant_method, UnquantizedLinearMethod)
+
+
+def test_mxfp4_methods_keep_their_runtime_weights_across_calls():
+    """The MXFP4 methods hand the kernels one `Mxfp4Weights` per weight for the layer's life (the
+    kernels keep its TMA descriptors on it; a new wrapper per call rebuilt them at every eager
+    launch), made again only when the buffers are replaced; a dense weight's group-of-one view
+    is made once."""
+    from torch import nn
+
+    from quantfw.kernels.mxfp4 import grouped
+    from quantfw.layers.quantization.mxfp4 import _packed
+
+    layer = nn.Module()
+    layer.register_buffer("w13_qweight", torch.zeros(2, 64, 8, dtype=torch.int32))
+    layer.register_buffer("w13_qscales", torch.zeros(2, 64, 2, dtype=torch.uint8))
+    layer.w13_mxfp4_size = (64, 64)
+    assert _packed(layer, "w2") is None
+    first = _packed(layer, "w13")
+    assert _packed(layer, "w13") is first
+    assert first.qweight is layer.w13_qweight and first.shape == (2, 64, 64)
+    layer.w13_qweight = torch.ones(2, 64, 8, dtype=torch.int32)  # as module.to() replaces it
+    again = _packed(layer, "w13")
+    assert again is not first and again.qweight is layer.w13_qweight
+
+    dense = grouped.Mxfp4Weights(torch.zeros(64, 8, dtype=torch.int32), torch.zeros(64, 2), 64, 64)
+    group = dense.grouped()
+    assert dense.grouped() is group and group.qweight.shape == (1, 64, 8)
+    assert group.grouped() is group

@@ -64,10 +64,16 @@ class Mxfp4Weights:
         return e, self.n, self.k
 
     def grouped(self) -> Mxfp4Weights:
-        """A dense layer's weights as a group of one."""
+        """A dense layer's weights as a group of one (made once: kernels keep per-weight state,
+        such as TMA descriptors, on the object)."""
         if self.qweight.dim() == 3:
             return self
-        return Mxfp4Weights(self.qweight.unsqueeze(0), self.scales.unsqueeze(0), self.n, self.k)
+        group = self.__dict__.get("_group")
+        if group is None:
+            group = self.__dict__["_group"] = Mxfp4Weights(
+                self.qweight.unsqueeze(0), self.scales.unsqueeze(0), self.n, self.k
+            )
+        return group
 
 
 ExpertWeights = DenseWeights | Mxfp4Weights

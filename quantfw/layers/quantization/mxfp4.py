@@ -187,12 +187,20 @@ def _pack_for_gpu(layer: nn.Module, name: str, gate_up_interleave: int = 0) -> N
 
 
 def _packed(layer: nn.Module, name: str) -> grouped.Mxfp4Weights | None:
-    """The runtime-layout weights `_pack_for_gpu` made, or None."""
+    """The runtime-layout weights `_pack_for_gpu` made, or None: one `Mxfp4Weights` kept across
+    calls (the kernels keep its TMA descriptors on it, which eager calls would otherwise build
+    again each time), made again only when the buffers were replaced (``module.to``)."""
     qweight = getattr(layer, f"{name}_qweight", None)
     if qweight is None:
         return None
-    n, k = getattr(layer, f"{name}_mxfp4_size")
-    return grouped.Mxfp4Weights(qweight, getattr(layer, f"{name}_qscales"), n, k)
+    kept = layer.__dict__.setdefault("_mxfp4_weights", {})
+    weights = kept.get(name)
+    if weights is None or weights.qweight is not qweight:
+        n, k = getattr(layer, f"{name}_mxfp4_size")
+        weights = kept[name] = grouped.Mxfp4Weights(
+            qweight, getattr(layer, f"{name}_qscales"), n, k
+        )
+    return weights
 
 
 class Mxfp4MoEMethod(FusedMoEMethodBase):

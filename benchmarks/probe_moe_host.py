@@ -8,12 +8,18 @@ loop of calls without synchronising, few enough that the launch queue never fill
 (CUDA events around a synchronised call), for the whole layer and its parts, MXFP4 experts with
 the weights wrapped once (as a layer keeps them) or anew each call, and bf16 experts.
 
-    python benchmarks/probe_moe_host.py [--tokens 16,512,2048]
+    python benchmarks/probe_moe_host.py [--tokens 16,512,2048] [--cprofile "lookup W13" --top 25]
+
+``--cprofile NAME``: the rows whose name contains NAME also run 100 calls under cProfile, and
+their top Python functions by own time are printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import time
 from functools import partial
 
@@ -52,9 +58,25 @@ def host_and_gpu_us(fn, calls: int = 12, repeats: int = 5) -> tuple[float, float
     return sorted(host)[repeats // 2], sorted(gpu)[repeats // 2]
 
 
+def cprofile_calls(fn, calls: int, top: int) -> str:
+    """The top `top` functions by own time over `calls` calls of `fn`."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    text = out.getvalue()
+    return text[text.index("ncalls") :]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tokens", default="16,512,2048")
+    ap.add_argument("--cprofile", default=None, help="profile the rows whose name holds this")
+    ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     w13 = torch.randn(E, 2 * INTER, H, device="cuda", generator=g) * 0.02
@@ -110,6 +132,8 @@ def main() -> None:
         for name, fn in rows.items():
             host, gpu = host_and_gpu_us(fn)
             print(f"T={t:5d}  {name:40s} host {host:8.1f}  GPU {gpu:8.1f}", flush=True)
+            if args.cprofile and args.cprofile in name:
+                print(cprofile_calls(fn, 100, args.top), flush=True)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@ TMA descriptors, workspace and plan tensors) is paid once per layer and prompt; 
 the kernels' time the host sets a prefill's pace (found for GPT-OSS-20B MXFP4 on 2026-11-27:
 `benchmarks/mxfp4-lab-log.md` §30). For each token count this times, per call: the host (a
 loop of calls without synchronising, few enough that the launch queue never fills) and the GPU
-(CUDA events around a synchronised call), for the whole layer and its parts, MXFP4 experts with
-the weights wrapped once (as a layer keeps them) or anew each call, and bf16 experts.
+(CUDA events around the same loop once the queue drained: where the host is the slower side
+this reads the host's pace), for the whole layer and its parts, MXFP4 experts with the weights
+wrapped once (as a layer keeps them) or anew each call, and bf16 experts. Host figures move by
+up to 2x between machines of one pool (mxfp4-lab-log §30): compare rows of one run.
 
     python benchmarks/probe_moe_host.py [--tokens 16,512,2048] [--cprofile "lookup W13" --top 25]
 

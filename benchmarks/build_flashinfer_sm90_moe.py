@@ -18,7 +18,8 @@ without its sources (``data/``) and large JSON artifacts, and copies both into `
 Needs: ``pip install flashinfer-python==0.7.2 apache-tvm-ffi nvidia-ml-py tabulate einops
 click`` (a virtualenv with access to torch), nvcc 13.0 as ``$CUDA_HOME/bin/nvcc``, ninja, and the
 headers of the ``nvidia-cublas``, ``nvidia-cuda-nvrtc``, ``nvidia-curand`` 13.0 wheels (unzipped;
-``--headers`` roots holding ``nvidia/cu13/include``). About 30 minutes on 2 cores, 8 GB a job.
+``--headers`` roots holding ``nvidia/cu13/include``). About 50 minutes on 2 cores, 8 GB a job
+(checked end to end on 2026-11-27: `results/flashinfer-sm90/script-build/`).
 
     CUDA_HOME=/usr/local/cuda-13.0 FLASHINFER_WORKSPACE_BASE=/tmp/fiws \\
       venv/bin/python benchmarks/build_flashinfer_sm90_moe.py --headers /tmp/cublas /tmp/nvrtc \\

@@ -110,8 +110,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         """`shard`: ``padding_size`` and ``prefix``, as `VocabParallelEmbedding` takes them."""
         nn.Module.__init__(self)
         self._init_shard(num_embeddings, embedding_dim, **shard)
-        config = quant_config
-        method = config.get_quant_method(self, self.prefix) if config is not None else None
+        method = None
+        if quant_config is not None:
+            method = quant_config.get_quant_method(self, self.prefix)
         self.quant_method: QuantizeMethodBase = method or UnquantizedLinearMethod()
         self.input_size = embedding_dim
         self.output_size = num_embeddings  # the checkpoint tensor's rows

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import tiny_moe
 import torch
 
 from quantfw.kernels import moe, mxfp4
@@ -76,19 +77,13 @@ def test_not_available_off_sm90():
     assert not fs.available(torch.device("cpu"))
 
 
-def _sm90_flashinfer() -> None:
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("FlashInfer's SM90 fused MoE needs an SM90 GPU")
-    pytest.importorskip("flashinfer")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("h,i", [(2880, 2880), (2880, 1440), (2880, 736), (256, 96)])
 @pytest.mark.parametrize("act", ["swiglu_oai", "silu"])
 def test_gpu_matches_reference(h, i, act):
     """GPT-OSS-20B's experts at TP 1, 2 and 4 (I per rank 2880, 1440, 736: none a multiple of
     128), and a small case padded in both sizes; bf16 against the float32 reference."""
-    _sm90_flashinfer()
+    tiny_moe.require_sm90_flashinfer()
     e, top = 32 if h == 2880 else 8, 4
     spec = GatedAct("swiglu_oai", 1.702, 7.0) if act == "swiglu_oai" else GatedAct("silu")
     g = torch.Generator(device="cuda").manual_seed(0)

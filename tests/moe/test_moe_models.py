@@ -202,17 +202,11 @@ def test_flashinfer_backend_off_its_gpus_is_a_clear_error(moe_checkpoints):
         )
 
 
-def _sm90_flashinfer() -> None:
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("FlashInfer's fused MoE runs on SM90 here")
-    pytest.importorskip("flashinfer")
-
-
 @pytest.mark.gpu
 def test_gpu_flashinfer_experts_match_transformers_routed_alike(moe_checkpoints, rel_err):
     """The tiny GPT-OSS (hidden and intermediate sizes padded to 128) with its MXFP4 experts in
     FlashInfer's SM90 fused MoE, bfloat16 (see `_routed_bf16_check`)."""
-    _sm90_flashinfer()
+    tiny_moe.require_sm90_flashinfer()
     _routed_bf16_check("cuda", moe_checkpoints, rel_err, quantization_args=FLASHINFER)
 
 
@@ -222,7 +216,7 @@ def test_gpu_flashinfer_experts_under_cuda_graphs(moe_checkpoints):
     graphs equal those without."""
     from quantfw.engine import LLM, SamplingParams
 
-    _sm90_flashinfer()
+    tiny_moe.require_sm90_flashinfer()
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     outs = {}
     for graphs in (False, True):

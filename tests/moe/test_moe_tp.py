@@ -100,9 +100,7 @@ def test_tp2_on_two_gpus_equals_tp1(moe_checkpoints, rel_err, tmp_path, dtype):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_tp2_flashinfer_experts_on_two_gpus_equal_tp1(moe_checkpoints, rel_err, tmp_path):
     """FlashInfer's SM90 fused MoE (bf16) on each rank's padded intermediate shard."""
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("FlashInfer's fused MoE runs on SM90 here")
-    pytest.importorskip("flashinfer")
+    tiny_moe.require_sm90_flashinfer()
     names, margin, tol = _GPU_TP_CASES["bfloat16"]
     gpu = {
         "device": "cuda",

@@ -9,6 +9,7 @@ import os
 import re
 from collections.abc import Callable
 
+import pytest
 import torch
 from tiny_checkpoint import hf_greedy  # noqa: F401 (re-exported for the MoE tests)
 
@@ -198,3 +199,11 @@ def near_tie_gap(seen: list[tuple[torch.Tensor, torch.Tensor]], chosen: list[tor
         differs = (own.sort(-1).values != ids.sort(-1).values).any(-1)
         flips += [(layer, t) for t in differs.nonzero().flatten().tolist()]
     return worst, flips
+
+
+def require_sm90_flashinfer() -> None:
+    """Skip unless FlashInfer's SM90 fused MoE runs here (`flashinfer_sm90.available`)."""
+    from quantfw.kernels.mxfp4 import flashinfer_sm90
+
+    if not torch.cuda.is_available() or not flashinfer_sm90.available(torch.device("cuda")):
+        pytest.skip("FlashInfer's SM90 fused MoE needs an SM90 GPU and flashinfer installed")

@@ -103,12 +103,12 @@ def pad_experts(
     if w13_bias is not None:
         b13 = up_gate(w13_bias.unsqueeze(-1), 1, 1).squeeze(-1)
     b2 = None
-    if w2_bias is not None or w13_bias is not None:
+    if w2_bias is not None:
+        b2 = padded(w2_bias.unsqueeze(-1), h_pad, 1, 1).squeeze(-1)
+    elif w13_bias is not None:
         # FlashInfer takes both biases or neither: a TP rank other than 0 adds no W2 bias (the
         # all-reduce would count it twice) and passes zeros
-        b2 = w13_bias.new_zeros(e, h_pad) if w2_bias is None else w2_bias.new_zeros(e, h_pad)
-        if w2_bias is not None:
-            b2[:, :h] = w2_bias
+        b2 = w13_bias.new_zeros(e, h_pad)
     return PaddedExperts(
         w13=up_gate(w13_blocks, h // 2, h_pad // 2),
         s13=up_gate(w13_scales, h_groups, h_pad // 32),

@@ -74,3 +74,51 @@ def test_fused_ops_match_reference_on_gpu(dtype):
     for ours, ref in ((tq, rq), (tk, rk)):  # rotary rounds once instead of three times
         err = ((ours.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
         assert err <= (4e-3 if dtype == torch.float16 else 3e-2), err
+
+
+@pytest.mark.gpu
+def test_decode_reads_the_new_key_after_its_wait_under_pdl():
+    """A CUDA graph with programmatic dependent launch: a long kernel, the store of the new
+    tokens' keys and values, the decode kernel. The decode kernel launches while the store
+    waits, and reads the keys and values that earlier steps cached before its own wait; each
+    replay with fresh new keys, values and queries matches the reference (the new token's slot
+    read early would hold the previous replay's)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs a CUDA GPU of compute capability 9.0+ (PDL)")
+    from quantfw.kernels.attention import triton_paged
+    from quantfw.kernels.common import pdl
+    from quantfw.kernels.fused import triton_ops
+    from quantfw.layers.attention.backends.triton import TritonBackend
+
+    assert pdl.enabled(torch.device("cuda"))
+    dt = torch.float16
+    c = make_case(cached=[0, 40, 100, 700], new=[1, 1, 1, 1], heads=32, kv_heads=8,
+                  head_dim=128, block_size=16, sinks=True, dtype=dt, device="cuda")  # fmt: skip
+    meta = c.metadata(TritonBackend())
+    k_cache, v_cache = c.layer.kv_cache
+    big = torch.randn(16384, 8192, dtype=dt, device="cuda")  # about 0.3 ms of RMSNorm
+    norm_w = torch.randn(8192, dtype=dt, device="cuda")
+
+    def step():
+        triton_ops.rms_norm(big, norm_w, 1e-6)
+        triton_paged.store_kv(c.k, c.v, k_cache, v_cache, meta.slot_mappings[0])
+        return triton_paged.paged_decode(
+            c.q, k_cache, v_cache, meta.block_tables[0], meta.context_lens, c.layer.scale,
+            num_splits=32, sinks=c.layer.sinks,
+        )  # fmt: skip
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(4):
+        for buf in (c.q, c.k, c.v):
+            buf.copy_(torch.randn_like(buf))
+        for b in range(len(c.new)):  # the new token is each context's last position
+            c.keys[b][-1] = c.k[b].cpu()
+            c.values[b][-1] = c.v[b].cpu()
+        graph.replay()
+        ref = c.reference()
+        err = ((out.double().cpu() - ref).abs().max() / ref.abs().max()).item()
+        assert err <= TOL[dt], err

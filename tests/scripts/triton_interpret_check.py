@@ -51,6 +51,18 @@ def attention() -> None:
             num_splits=splits, sliding_window=50, sinks=c.layer.sinks,
         )  # fmt: skip
         check(f"decode num_splits={splits}", rel(out, ref), 1e-5)
+    # spans of several 64-key tiles: the first read before the wait (the new key after it),
+    # the others in the loop; the new key in the first tile, a later one, or past every span
+    c = make_case(cached=[0, 70, 150], new=[1, 1, 1], block_size=8, sinks=True)
+    meta = c.metadata(backend)
+    backend.forward(c.layer, c.q, c.k, c.v, meta)
+    ref = c.reference()
+    for splits in (1, 2, 32):
+        out = triton_paged.paged_decode(
+            c.q, *c.layer.kv_cache, meta.block_tables[0], meta.context_lens, c.layer.scale,
+            num_splits=splits, sinks=c.layer.sinks,
+        )  # fmt: skip
+        check(f"decode of several tiles num_splits={splits}", rel(out, ref), 1e-5)
 
 
 def fused() -> None:

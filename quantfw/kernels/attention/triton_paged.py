@@ -9,7 +9,9 @@ maps its logical block ``i`` (tokens ``[i * block_size, (i + 1) * block_size)``)
 * `paged_decode`: one query token per sequence. Flash-decoding: the sequence's context is split
   into `num_splits` equal spans (block-aligned), a program per (sequence, kv head, span) attends
   all query heads of that kv head's group, and a second kernel merges the spans by their
-  log-sum-exp. With one span the first kernel writes the output itself.
+  log-sum-exp. With one span the first kernel writes the output itself. With programmatic
+  dependent launch it reads its first tile's keys and values of earlier steps before it waits
+  for the kernel that stored the new token's (`common.pdl`).
 * `paged_prefill`: any number of query tokens per sequence (prefill, chunked prefill, mixed
   batches): a program per (sequence, query tile, head), causal over the cached context.
 
@@ -79,6 +81,20 @@ def store_kv(
 
 
 @triton.jit
+def _attend_tile(q, k, v, nmask, m, denom, acc, scale_log2, PRECISION: tl.constexpr):
+    """Online softmax over one tile of keys (``nmask``: the real ones): the running max ``m``
+    (log2 units), denominator and unnormalised output of the query heads, updated."""
+    s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=PRECISION) * scale_log2
+    s = tl.where(nmask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    denom = denom * alpha + tl.sum(p, axis=1)
+    return m_new, denom, acc
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr, k_cache, v_cache, block_tables, context_lens, sinks_ptr, out_ptr, part_out, part_lse,
     q_stride_t, q_stride_h, bt_stride, out_stride_t, scale_log2, window,
@@ -88,7 +104,10 @@ def _paged_decode_kernel(
     HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
-    pdl.wait_and_release(PDL)
+    # With PDL the previous kernel (the one that stored the new token's key and value) may
+    # still run until the wait: before it, only the step's metadata and the keys and values
+    # cached by earlier steps (positions below ctx - 1) of the first tile are read.
+    pdl.triton_release(PDL)
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     split = tl.program_id(2)
@@ -105,31 +124,38 @@ def _paged_decode_kernel(
     hmask = r < GROUP
     d = tl.arange(0, D_P)
     dmask = d < HEAD_DIM
+    kv_row = NUM_KV_HEADS * HEAD_DIM
+    # the first tile's cached keys and values, then the wait, then q and the new token's row
+    n = lo + tl.arange(0, BLOCK_N)
+    nmask = n < hi
+    blk = tl.load(block_tables + b * bt_stride + n // PAGE, mask=nmask, other=0).to(tl.int64)
+    rows = (blk * PAGE + n % PAGE) * kv_row + g * HEAD_DIM
+    cached = (nmask & (n < ctx - 1))[:, None] & dmask[None, :]
+    k = tl.load(k_cache + rows[:, None] + d[None, :], mask=cached, other=0.0)
+    v = tl.load(v_cache + rows[:, None] + d[None, :], mask=cached, other=0.0)
+    pdl.triton_wait(PDL)
     q = tl.load(
         q_ptr + b * q_stride_t + heads[:, None] * q_stride_h + d[None, :],
         mask=hmask[:, None] & dmask[None, :],
         other=0.0,
     )
-    kv_row = NUM_KV_HEADS * HEAD_DIM
+    new = (nmask & (n >= ctx - 1))[:, None] & dmask[None, :]
+    k = tl.where(new, tl.load(k_cache + rows[:, None] + d[None, :], mask=new, other=0.0), k)
+    v = tl.where(new, tl.load(v_cache + rows[:, None] + d[None, :], mask=new, other=0.0), v)
     m = tl.full([GROUP_P], float("-inf"), tl.float32)
     denom = tl.zeros([GROUP_P], tl.float32)
     acc = tl.zeros([GROUP_P, D_P], tl.float32)
-    for n0 in range(lo, hi, BLOCK_N):
+    if lo < hi:
+        m, denom, acc = _attend_tile(q, k, v, nmask, m, denom, acc, scale_log2, PRECISION)
+    for n0 in range(lo + BLOCK_N, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < hi
         blk = tl.load(block_tables + b * bt_stride + n // PAGE, mask=nmask, other=0).to(tl.int64)
         rows = (blk * PAGE + n % PAGE) * kv_row + g * HEAD_DIM
         kvmask = nmask[:, None] & dmask[None, :]
         k = tl.load(k_cache + rows[:, None] + d[None, :], mask=kvmask, other=0.0)
-        s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=PRECISION) * scale_log2
-        s = tl.where(nmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
         v = tl.load(v_cache + rows[:, None] + d[None, :], mask=kvmask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        denom = denom * alpha + tl.sum(p, axis=1)
-        m = m_new
+        m, denom, acc = _attend_tile(q, k, v, nmask, m, denom, acc, scale_log2, PRECISION)
 
     out_mask = hmask[:, None] & dmask[None, :]
     if NUM_SPLITS == 1:

@@ -8,9 +8,11 @@ also lets the next one launch at its start (``griddepcontrol.launch_dependents``
 decode step (a CUDA graph of mostly our kernels) each kernel's launch and weight loads overlap
 the end of the one before.
 
-The rule for a kernel that takes part: before `wait` it may read only tensors that no kernel
-writes (weights, scales, codebook tables) and write only its own shared memory; a kernel
-without `wait` must not be launched with PDL. Kernels launched without PDL (torch's, cuBLAS)
+The rule for a kernel that takes part: before `wait` it may read only what no kernel of the
+chain writes (weights, scales, codebook tables; the decode attention also reads the step's
+metadata, written by torch before the step's first kernel, and the keys and values that earlier
+steps cached) and write only its own shared memory; a kernel without `wait` must not be
+launched with PDL. Kernels launched without PDL (torch's, cuBLAS)
 keep the ordinary stream order. ``QUANTFW_PDL=0`` (or `set_enabled(False)`) turns it off.
 """
 

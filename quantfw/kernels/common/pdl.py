@@ -12,8 +12,8 @@ The rule for a kernel that takes part: before `wait` it may read only what no ke
 chain writes (weights, scales, codebook tables; the decode attention also reads the step's
 metadata, written by torch before the step's first kernel, and the keys and values that earlier
 steps cached) and write only its own shared memory; a kernel without `wait` must not be
-launched with PDL. Kernels launched without PDL (torch's, cuBLAS)
-keep the ordinary stream order. ``QUANTFW_PDL=0`` (or `set_enabled(False)`) turns it off.
+launched with PDL. Kernels launched without PDL (torch's, cuBLAS) keep the ordinary stream
+order. ``QUANTFW_PDL=0`` (or `set_enabled(False)`) turns it off.
 """
 
 from __future__ import annotations

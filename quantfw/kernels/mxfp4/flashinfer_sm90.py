@@ -153,15 +153,19 @@ class Sm90Experts:
     limit: torch.Tensor | None
     hidden_size: int
 
+    @classmethod
+    def tensor_names(cls) -> list[str]:
+        """The fields that hold tensors (all but ``hidden_size``)."""
+        return [f.name for f in fields(cls) if f.name != "hidden_size"]
+
     def tensors(self) -> dict[str, torch.Tensor | None]:
         """The tensors, by field name (for a layer to keep as buffers)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "hidden_size"}
+        return {name: getattr(self, name) for name in self.tensor_names()}
 
     @classmethod
     def from_layer(cls, layer: torch.nn.Module, prefix: str) -> Sm90Experts:
         """The experts a layer keeps as buffers ``<prefix><field>`` (see `tensors`)."""
-        names = [f.name for f in fields(cls) if f.name != "hidden_size"]
-        tensors = {name: getattr(layer, prefix + name) for name in names}
+        tensors = {name: getattr(layer, prefix + name) for name in cls.tensor_names()}
         return cls(**tensors, hidden_size=getattr(layer, prefix + "hidden_size"))
 
     @classmethod

@@ -23,6 +23,7 @@ it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -186,21 +187,28 @@ def _pack_for_gpu(layer: nn.Module, name: str, gate_up_interleave: int = 0) -> N
     setattr(layer, f"{name}_mxfp4_size", (packed.n, packed.k))
 
 
+def _kept(layer: nn.Module, key: str, source: torch.Tensor, make: Callable[[], Any]) -> Any:
+    """One runtime object per layer and `key` over its buffers, kept across calls (kernels keep
+    state such as TMA descriptors on it, and eager calls would otherwise rebuild it each time),
+    made again only when `source`, its first buffer, was replaced (``module.to``)."""
+    kept = layer.__dict__.setdefault("_mxfp4_runtime", {})
+    entry = kept.get(key)
+    if entry is None or entry[0] is not source:
+        entry = kept[key] = (source, make())
+    return entry[1]
+
+
 def _packed(layer: nn.Module, name: str) -> grouped.Mxfp4Weights | None:
-    """The runtime-layout weights `_pack_for_gpu` made, or None: one `Mxfp4Weights` kept across
-    calls (the kernels keep its TMA descriptors on it, which eager calls would otherwise build
-    again each time), made again only when the buffers were replaced (``module.to``)."""
+    """The runtime-layout weights `_pack_for_gpu` made (one `Mxfp4Weights`, `_kept`), or
+    None."""
     qweight = getattr(layer, f"{name}_qweight", None)
     if qweight is None:
         return None
-    kept = layer.__dict__.setdefault("_mxfp4_weights", {})
-    weights = kept.get(name)
-    if weights is None or weights.qweight is not qweight:
-        n, k = getattr(layer, f"{name}_mxfp4_size")
-        weights = kept[name] = grouped.Mxfp4Weights(
-            qweight, getattr(layer, f"{name}_qscales"), n, k
-        )
-    return weights
+    n, k = getattr(layer, f"{name}_mxfp4_size")
+    return _kept(
+        layer, name, qweight,
+        lambda: grouped.Mxfp4Weights(qweight, getattr(layer, f"{name}_qscales"), n, k),
+    )  # fmt: skip
 
 
 class Mxfp4MoEMethod(FusedMoEMethodBase):
@@ -346,7 +354,10 @@ class Mxfp4MoEMethod(FusedMoEMethodBase):
         if getattr(layer, "fi90_hidden_size", None) is not None:
             from quantfw.kernels.mxfp4 import flashinfer_sm90
 
-            experts = flashinfer_sm90.Sm90Experts.from_layer(layer, "fi90_")
+            experts = _kept(
+                layer, "fi90", layer.fi90_w13,
+                lambda: flashinfer_sm90.Sm90Experts.from_layer(layer, "fi90_"),
+            )  # fmt: skip
             tactics = flashinfer_sm90.tactics_for(layer.fi90_tactics, x.shape[0])
             return flashinfer_sm90.moe_forward(x, topk_weights, topk_ids, experts, tactics)
         w13_bias, w2_bias = layer.expert_biases()

@@ -9,7 +9,9 @@ span count forced (correct outputs).
 input, no launch), ``rope`` (no q/k norm + rotary + KV store launch; q passes through, the cache
 is not written), ``attn`` (no decode attention: an uninitialised output), ``merge`` (the decode
 kernel runs, its split merge is not launched). ``--extra G`` launches an empty PDL kernel of G
-CTAs after each decode attention; ``--splits N`` runs N spans a (sequence, kv head). A PDL-off
+CTAs after each decode attention; ``--splits N`` runs N spans a (sequence, kv head). ``rope``,
+``attn``, ``merge``, ``--extra`` and ``--splits`` act on the Triton attention backend, the one
+the engine runs on CUDA. A PDL-off
 profile gives each kernel's own time; this gives what removing it saves in the chain of early
 launches, the upper bound of any fusion of it (`benchmarks/decode-lab-log.md` experiment 13).
 """
@@ -19,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import runpy
 import sys
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 import torch
 
@@ -59,13 +61,17 @@ def _empty_kernel():
 
 @contextlib.contextmanager
 def ablated(
-    skip: set[str] = frozenset(), extra_ctas: int | None = None, splits: int | None = None
+    skip: Collection[str] = (), extra_ctas: int | None = None, splits: int | None = None
 ) -> Iterator[None]:
     """Patch quantfw's kernel entry points for the duration: `skip` from `SKIPPABLE`,
     `extra_ctas` for an empty kernel after each decode attention, `splits` decode spans."""
     unknown = set(skip) - set(SKIPPABLE)
     if unknown:
         raise ValueError(f"--skip: unknown {sorted(unknown)}; supported: {', '.join(SKIPPABLE)}")
+    if "attn" in skip and (extra_ctas is not None or splits is not None):
+        raise ValueError(
+            "--extra and --splits act on the decode attention, which --skip attn removes"
+        )
     from quantfw.kernels import fused
     from quantfw.kernels.attention import triton_paged
     from quantfw.kernels.common import pdl

@@ -74,6 +74,12 @@ def test_unknown_skip_names_the_supported_ones():
         pass
 
 
+def test_options_on_a_removed_attention_are_refused():
+    ablate = _module()
+    with pytest.raises(ValueError, match="--skip attn removes"), ablate.ablated({"attn"}, 256):
+        pass
+
+
 def test_script_runs_a_bench_with_norms_skipped():
     cmd = [sys.executable, SCRIPT, "--skip", "norm", "bench", "tiny-llama", "--methods", "fp16",
            "--batch-sizes", "1", "--prompt-len", "8", "--decode-context", "8",

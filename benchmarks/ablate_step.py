@@ -11,9 +11,9 @@ is not written), ``attn`` (no decode attention: an uninitialised output), ``merg
 kernel runs, its split merge is not launched). ``--extra G`` launches an empty PDL kernel of G
 CTAs after each decode attention; ``--splits N`` runs N spans a (sequence, kv head). ``rope``,
 ``attn``, ``merge``, ``--extra`` and ``--splits`` act on the Triton attention backend, the one
-the engine runs on CUDA. A PDL-off
-profile gives each kernel's own time; this gives what removing it saves in the chain of early
-launches, the upper bound of any fusion of it (`benchmarks/decode-lab-log.md` experiment 13).
+the engine runs on CUDA. A PDL-off profile gives each kernel's own time; this gives what
+removing it saves in the chain of early launches, the upper bound of any fusion of it
+(`benchmarks/decode-lab-log.md` experiment 13).
 """
 
 from __future__ import annotations

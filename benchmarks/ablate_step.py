@@ -18,6 +18,7 @@ removing it saves in the chain of early launches, the upper bound of any fusion 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import runpy
 import sys
@@ -26,17 +27,6 @@ from collections.abc import Collection, Iterator
 import torch
 
 SKIPPABLE = ("norm", "rope", "attn", "merge")
-
-
-def _parse(args: list[str], flag: str) -> str | None:
-    if flag not in args:
-        return None
-    i = args.index(flag)
-    if i + 1 >= len(args):
-        raise SystemExit(f"{flag} needs a value")
-    value = args[i + 1]
-    del args[i : i + 2]
-    return value
 
 
 class _NoLaunch:
@@ -119,14 +109,21 @@ def ablated(
 
 
 def main(argv: list[str]) -> None:
-    args = list(argv)
-    skip = _parse(args, "--skip")
-    extra = _parse(args, "--extra")
-    splits = _parse(args, "--splits")
-    skipped = set(skip.split(",")) - {"none", ""} if skip else set()
-    print(f"ablation: skip {sorted(skipped)}, extra {extra}, splits {splits}", file=sys.stderr)
-    with ablated(skipped, int(extra) if extra else None, int(splits) if splits else None):
-        sys.argv = ["quantfw", *args]
+    ap = argparse.ArgumentParser(
+        description="the ablation options; every other argument goes to the quantfw command",
+        allow_abbrev=False,
+    )
+    ap.add_argument("--skip", default="", help=f"comma-separated, of: {', '.join(SKIPPABLE)}")
+    ap.add_argument("--extra", type=int, default=None, metavar="G")
+    ap.add_argument("--splits", type=int, default=None, metavar="N")
+    opts, rest = ap.parse_known_args(argv)
+    skipped = set(opts.skip.split(",")) - {"none", ""}
+    print(
+        f"ablation: skip {sorted(skipped)}, extra {opts.extra}, splits {opts.splits}",
+        file=sys.stderr,
+    )
+    with ablated(skipped, opts.extra, opts.splits):
+        sys.argv = ["quantfw", *rest]
         runpy.run_module("quantfw.entrypoints.cli", run_name="__main__")
 
 

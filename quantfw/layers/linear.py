@@ -11,6 +11,7 @@ from quantfw.layers import sharding
 from quantfw.layers.quantization.base import (
     QuantizationConfig,
     QuantizeMethodBase,
+    RuntimeKeeper,
     UnquantizedLinearMethod,
     create_layer_weights,
 )
@@ -25,7 +26,7 @@ def divide(numerator: int, denominator: int, *, what: str, prefix: str) -> int:
     return numerator // denominator
 
 
-class LinearBase(nn.Module):
+class LinearBase(RuntimeKeeper):
     """A linear layer whose parameters come from `quant_config.get_quant_method(self, prefix)`."""
 
     def __init__(

@@ -12,6 +12,7 @@ from quantfw import distributed as qdist
 from quantfw.layers.quantization.base import (
     QuantizationConfig,
     QuantizeMethodBase,
+    RuntimeKeeper,
     UnquantizedLinearMethod,
     create_layer_weights,
 )
@@ -24,7 +25,7 @@ def pad_vocab_size(vocab_size: int, multiple: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(RuntimeKeeper):
     """Rows of the (padded) vocabulary split across TP ranks; lookups outside a rank's rows give
     zeros there and the all-reduce fills them in."""
 

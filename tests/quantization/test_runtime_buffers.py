@@ -116,3 +116,33 @@ def test_kbit_runtime_tensors_are_buffers(quantized, exported, dense_dir):
     # 1024 x 256 weight: 8 blocks per row, no padding; K bit-plane words + 1 E4M4 byte per block
     assert layer.quant_method.runtime_nbytes(layer) == 1024 * 8 * (4 * bits + 1) + 4 * 2**bits
     check_accounting(model)
+
+
+def test_moving_a_model_drops_the_kept_runtime_weights(exported):
+    """The quantize methods keep one weight wrapper per layer across calls
+    (`base.kept_runtime`); ``model.to()`` drops it with the layer's old buffers: a cast gets a
+    wrapper over the new buffers (the int32 words stay the same tensor, the codebook does not),
+    and a move frees the old buffers at once rather than at the layer's next call."""
+    import gc
+    import weakref
+
+    model = quantfw.load_model(exported("qwen3", "kbit3"), dtype="float32", device="cpu")
+    layer = model.model.layers[0].mlp.down_proj
+    x = torch.randn(2, layer.input_size_per_partition)
+    first = layer(x)
+    kept = layer.quant_method._weight(layer)
+    assert layer.quant_method._weight(layer) is kept  # one wrapper across calls
+
+    model.to(torch.float64)
+    assert layer.kbit_qweight is kept.qweight and layer.kbit_codebook is not kept.codebook
+    cast = layer.quant_method._weight(layer)
+    assert cast is not kept and cast.codebook is layer.kbit_codebook
+    again = layer(x.double())
+    assert again.dtype == torch.float64
+    torch.testing.assert_close(again.float(), first, rtol=1e-5, atol=1e-6)
+
+    old = weakref.ref(layer.kbit_qweight)
+    del kept, cast
+    model.to("meta")
+    gc.collect()
+    assert old() is None, "a kept wrapper still holds the layer's old packed weight"

@@ -21,10 +21,10 @@ from quantfw.layers import sharding
 from quantfw.layers.activation import SiluAndMul
 from quantfw.layers.moe.base import W2_PARTS, W13_PARTS, ExpertShard, FusedMoEMethodBase
 from quantfw.layers.moe.unquantized import UnquantizedFusedMoEMethod
-from quantfw.layers.quantization.base import QuantizationConfig
+from quantfw.layers.quantization.base import QuantizationConfig, RuntimeKeeper
 
 
-class FusedMoE(nn.Module):
+class FusedMoE(RuntimeKeeper):
     """`num_experts` gated MLPs (W13 = [gate | up], W2 = down, optional biases), `top_k` per
     token. ``forward(hidden [..., H], router_logits [..., E]) -> [..., H]``.
 

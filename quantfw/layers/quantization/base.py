@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -90,6 +91,31 @@ def replace_with_buffers(
         delattr(layer, name)
     for name, tensor in buffers.items():
         layer.register_buffer(name, tensor, persistent=False)
+
+
+_KEPT = "_quant_runtime"
+
+
+def kept_runtime(layer: nn.Module, key: str, source: torch.Tensor, make: Callable[[], Any]) -> Any:
+    """One runtime object per layer and `key` over the layer's buffers (a weight wrapper on
+    which kernels keep TMA descriptors and tables), kept across calls: eager calls would
+    otherwise rebuild it each time. Made again when `source`, its first buffer, was replaced;
+    dropped when the layer is moved or cast (`RuntimeKeeper`)."""
+    kept = layer.__dict__.setdefault(_KEPT, {})
+    entry = kept.get(key)
+    if entry is None or entry[0] is not source:
+        entry = kept[key] = (source, make())
+    return entry[1]
+
+
+class RuntimeKeeper(nn.Module):
+    """Base of the layers whose quantize methods keep runtime objects (`kept_runtime`):
+    ``module.to()``, ``.cuda()``, ``.half()`` (torch's ``_apply``) drop them, so the buffers
+    they wrap are freed with the layer's old tensors rather than at its next call."""
+
+    def _apply(self, fn, recurse=True):
+        self.__dict__.pop(_KEPT, None)
+        return super()._apply(fn, recurse)
 
 
 class LinearMethodBase(QuantizeMethodBase):

@@ -38,6 +38,7 @@ from quantfw.layers.quantization.base import (
     QuantizeMethodBase,
     UnquantizedLinearMethod,
     check_divisible,
+    kept_runtime,
     replace_with_buffers,
 )
 from quantfw.layers.sharding import set_weight_attrs
@@ -299,20 +300,16 @@ class KbitLinearMethod(LinearMethodBase):
 
     @staticmethod
     def _weight(layer: nn.Module) -> kbit.KbitWeight:
-        """The layer's `KbitWeight`, kept across calls (the kernels cache per-weight tables on
-        it) and rebuilt only when the buffers were replaced (``module.to``)."""
-        weight = layer.__dict__.get("_kbit_weight")
-        if weight is None or weight.qweight is not layer.kbit_qweight:
-            in_features, out_features = layer.kbit_features
-            weight = kbit.KbitWeight(
-                layer.kbit_qweight,
-                layer.kbit_scales,
-                layer.kbit_codebook,
-                in_features,
+        """The layer's `KbitWeight`, kept across calls (`kept_runtime`: the kernels cache
+        per-weight tables and TMA descriptors on it)."""
+        in_features, out_features = layer.kbit_features
+        return kept_runtime(
+            layer, "kbit", layer.kbit_qweight,
+            lambda: kbit.KbitWeight(
+                layer.kbit_qweight, layer.kbit_scales, layer.kbit_codebook, in_features,
                 out_features,
-            )
-            layer.__dict__["_kbit_weight"] = weight
-        return weight
+            ),
+        )  # fmt: skip
 
 
 def _gated_interleave(layer: nn.Module) -> int:

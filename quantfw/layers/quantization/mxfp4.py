@@ -23,7 +23,6 @@ it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,6 +39,7 @@ from quantfw.layers.quantization.base import (
     QuantizeMethodBase,
     UnquantizedLinearMethod,
     check_divisible,
+    kept_runtime,
     replace_with_buffers,
 )
 from quantfw.layers.sharding import set_weight_attrs
@@ -187,25 +187,14 @@ def _pack_for_gpu(layer: nn.Module, name: str, gate_up_interleave: int = 0) -> N
     setattr(layer, f"{name}_mxfp4_size", (packed.n, packed.k))
 
 
-def _kept(layer: nn.Module, key: str, source: torch.Tensor, make: Callable[[], Any]) -> Any:
-    """One runtime object per layer and `key` over its buffers, kept across calls (kernels keep
-    state such as TMA descriptors on it, and eager calls would otherwise rebuild it each time),
-    made again only when `source`, its first buffer, was replaced (``module.to``)."""
-    kept = layer.__dict__.setdefault("_mxfp4_runtime", {})
-    entry = kept.get(key)
-    if entry is None or entry[0] is not source:
-        entry = kept[key] = (source, make())
-    return entry[1]
-
-
 def _packed(layer: nn.Module, name: str) -> grouped.Mxfp4Weights | None:
-    """The runtime-layout weights `_pack_for_gpu` made (one `Mxfp4Weights`, `_kept`), or
+    """The runtime-layout weights `_pack_for_gpu` made (one `Mxfp4Weights`, `kept_runtime`), or
     None."""
     qweight = getattr(layer, f"{name}_qweight", None)
     if qweight is None:
         return None
     n, k = getattr(layer, f"{name}_mxfp4_size")
-    return _kept(
+    return kept_runtime(
         layer, name, qweight,
         lambda: grouped.Mxfp4Weights(qweight, getattr(layer, f"{name}_qscales"), n, k),
     )  # fmt: skip
@@ -354,7 +343,7 @@ class Mxfp4MoEMethod(FusedMoEMethodBase):
         if getattr(layer, "fi90_hidden_size", None) is not None:
             from quantfw.kernels.mxfp4 import flashinfer_sm90
 
-            experts = _kept(
+            experts = kept_runtime(
                 layer, "fi90", layer.fi90_w13,
                 lambda: flashinfer_sm90.Sm90Experts.from_layer(layer, "fi90_"),
             )  # fmt: skip

@@ -1,0 +1,176 @@
+"""GPU probe: what a dependent GEMV boundary costs as a kernel launch with PDL against a grid
+barrier inside one persistent kernel (decode-lab-log experiment 18).
+
+A chain of ``S`` one-token GEMVs, ``x_{s+1} = W_s x_s`` (fp16 ``[D, D]`` weights, float32
+sums, fp16 vectors), where every output needs every input, as a decode step's GEMMs do. Both
+variants run the same per-CTA code: load the CTA's ``ROWS`` weight rows (they depend on no
+earlier stage), wait for the stage's input, read it, reduce, store.
+
+* ``launches``: one kernel a stage, launched with PDL (the next stage's CTAs start and load
+  their weights while this one finishes; `common.pdl`), as quantfw's decode step runs;
+* ``persistent``: one kernel of co-resident CTAs looping over the stages; between stages each
+  CTA bumps the stage's arrival counter and spins until every CTA has arrived (the last CTA
+  of the last stage resets the counters, so CUDA-graph replays need no memset).
+
+Each chain is timed as CUDA-graph replays (`common.timing`); the weights of all stages exceed
+L2. ``(launches - persistent) / (S - 1)`` is what a persistent kernel would save per
+boundary. The result is checked against a float32 reference of the chain.
+
+    python benchmarks/probe_grid_barrier.py [--dim 2048] [--stages 16] [--rows 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton
+import triton.language as tl
+
+from quantfw.bench.measure import measure_copy_bandwidth
+from quantfw.kernels.common import pdl, splitk, timing
+
+
+@triton.jit
+def _stage_rows(w_ptr, x_ptr, y_ptr, row0, D, ROWS: tl.constexpr, DP: tl.constexpr, w, X_CG):
+    """y[row0 : row0 + ROWS] = w @ x for the CTA's loaded weight rows ``w`` [ROWS, DP]; x read
+    past L1 when other CTAs of this kernel wrote it (``X_CG``)."""
+    k = tl.arange(0, DP)
+    if X_CG:
+        x = tl.load(x_ptr + k, mask=k < D, other=0.0, cache_modifier=".cg")
+    else:
+        x = tl.load(x_ptr + k, mask=k < D, other=0.0)
+    y = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    rows = row0 + tl.arange(0, ROWS)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < D)
+
+
+@triton.jit
+def _load_rows(w_ptr, row0, D, ROWS: tl.constexpr, DP: tl.constexpr):
+    rows = row0 + tl.arange(0, ROWS)
+    k = tl.arange(0, DP)
+    mask = (rows < D)[:, None] & (k < D)[None, :]
+    return tl.load(w_ptr + rows[:, None] * D + k[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _stage_kernel(w_ptr, x_ptr, y_ptr, D, ROWS: tl.constexpr, DP: tl.constexpr, PDL: tl.constexpr):
+    """One stage, one launch: weights first, then the PDL wait, then x."""
+    pdl.triton_release(PDL)
+    row0 = tl.program_id(0) * ROWS
+    w = _load_rows(w_ptr, row0, D, ROWS, DP)
+    pdl.triton_wait(PDL)
+    _stage_rows(w_ptr, x_ptr, y_ptr, row0, D, ROWS, DP, w, False)
+
+
+@triton.jit
+def _chain_kernel(
+    w_ptr, buf_ptr, cnt_ptr, D, S, ROWS: tl.constexpr, DP: tl.constexpr
+):  # fmt: skip
+    """Every stage in one launch: stage s reads ``buf[s]`` and writes ``buf[s + 1]``; the CTAs
+    (all resident: the grid is at most what fits at once) meet at counter s between stages."""
+    nctas = tl.num_programs(0)
+    row0 = tl.program_id(0) * ROWS
+    for s in range(S):
+        w = _load_rows(w_ptr + s * D * D, row0, D, ROWS, DP)
+        if s > 0:
+            seen = tl.atomic_add(cnt_ptr + s - 1, 0, sem="acquire")
+            while seen < nctas:
+                seen = tl.atomic_add(cnt_ptr + s - 1, 0, sem="acquire")
+        _stage_rows(w_ptr, buf_ptr + s * D, buf_ptr + (s + 1) * D, row0, D, ROWS, DP, w, True)
+        tl.debug_barrier()  # every thread's stores before the CTA's arrival
+        ticket = tl.atomic_add(cnt_ptr + s, 1, sem="release")
+        if (s == S - 1) & (ticket == nctas - 1):
+            # every CTA has passed every wait: clean counters for the next replay
+            for t in range(S):
+                tl.atomic_xchg(cnt_ptr + t, 0, sem="relaxed")
+
+
+def chain_launches(weights: torch.Tensor, bufs: torch.Tensor, rows: int) -> torch.Tensor:
+    """The chain as one PDL launch a stage; returns the last vector."""
+    S, D, _ = weights.shape
+    grid = (triton.cdiv(D, rows),)
+    for s in range(S):
+        _stage_kernel[grid](
+            weights[s], bufs[s], bufs[s + 1], D, ROWS=rows, DP=triton.next_power_of_2(D),
+            num_warps=4, **pdl.launch_options(pdl.enabled(weights.device)),
+        )  # fmt: skip
+    return bufs[S]
+
+
+def chain_persistent(
+    weights: torch.Tensor, bufs: torch.Tensor, counters: torch.Tensor, rows: int
+) -> torch.Tensor:
+    """The chain as one launch of co-resident CTAs with a grid barrier between stages; the
+    caller checks that ``D / rows`` CTAs fit at once (`max_resident_ctas`)."""
+    S, D, _ = weights.shape
+    _chain_kernel[(triton.cdiv(D, rows),)](
+        weights, bufs, counters, D, S, ROWS=rows, DP=triton.next_power_of_2(D), num_warps=4
+    )
+    return bufs[S]
+
+
+def reference(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The chain in float32 with each stage's output rounded to the vectors' dtype."""
+    for w in weights:
+        x = (w.float() @ x.float()).to(x.dtype)
+    return x
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--dim", type=int, default=2048)
+    ap.add_argument("--stages", type=int, default=16)
+    ap.add_argument("--rows", type=int, default=8, help="weight rows a CTA")
+    ap.add_argument("--ctas-per-sm", type=int, default=2, help="the most CTAs that must fit")
+    args = ap.parse_args()
+    D, S, rows = args.dim, args.stages, args.rows
+    dev = torch.device("cuda")
+    ctas = triton.cdiv(D, rows)
+    sms = splitk.num_sms(dev)
+    if ctas > sms * args.ctas_per_sm:
+        raise SystemExit(
+            f"{ctas} CTAs for {sms} SMs: more than --ctas-per-sm {args.ctas_per_sm} each; the "
+            "persistent kernel needs every CTA resident (raise --rows)"
+        )
+    g = torch.Generator(device=dev).manual_seed(0)
+    weights = (torch.randn(S, D, D, device=dev, generator=g) / D**0.5).half()
+    x = torch.randn(D, device=dev, generator=g).half()
+    bufs_l = torch.empty(S + 1, D, device=dev, dtype=torch.half)
+    bufs_p = torch.full((S + 1, D), float("nan"), device=dev, dtype=torch.half)
+    counters = torch.zeros(S, device=dev, dtype=torch.int32)
+    bufs_l[0] = x
+    bufs_p[0] = x
+    want = reference(weights, x).float()
+    for name, got in (
+        ("launches", chain_launches(weights, bufs_l, rows)),
+        ("persistent", chain_persistent(weights, bufs_p, counters, rows)),
+    ):
+        torch.cuda.synchronize()
+        err = ((got.float() - want).norm() / want.norm()).item()
+        print(f"{name}: relative error {err:.2e} against the float32 reference")
+        if not err < 1e-2 or not torch.isfinite(got).all():
+            raise SystemExit(f"{name}: wrong result")
+    assert int(counters.sum()) == 0, "the persistent kernel left its counters set"
+    nbytes = weights.numel() * weights.element_size()
+    est = nbytes / 3e12 * 1e6
+    t_l, t_p = timing.graph_times(
+        [
+            [lambda: chain_launches(weights, bufs_l, rows)],
+            [lambda: chain_persistent(weights, bufs_p, counters, rows)],
+        ],
+        est,
+    )
+    bw = measure_copy_bandwidth(dev)
+    floor = nbytes / bw * 1e6
+    print(
+        f"{torch.cuda.get_device_name(dev)}: {S} stages of [{D}, {D}] fp16 ({nbytes / 2**20:.0f} "
+        f"MiB), {ctas} CTAs of {rows} rows; floor {floor:.1f} us at {bw / 1e12:.2f} TB/s"
+    )
+    print(f"launches (PDL)   {t_l:8.1f} us  {t_l / S:6.2f} us a stage")
+    print(f"persistent       {t_p:8.1f} us  {t_p / S:6.2f} us a stage")
+    print(f"saved a boundary {(t_l - t_p) / (S - 1):6.2f} us")
+
+
+if __name__ == "__main__":
+    main()

@@ -8,7 +8,8 @@ span count forced (correct outputs).
 ``--skip`` takes any of ``norm`` (every hidden-size RMSNorm and its residual add return their
 input, no launch), ``rope`` (no q/k norm + rotary + KV store launch; q passes through, the cache
 is not written), ``attn`` (no decode attention: an uninitialised output), ``merge`` (the decode
-kernel runs, its split merge is not launched). ``--extra G`` launches an empty PDL kernel of G
+kernel runs, its split merge is not launched), ``gemm`` (no kbit GEMM launch: an uninitialised
+output of its shape; what is left is the step without its kbit weights' streaming). ``--extra G`` launches an empty PDL kernel of G
 CTAs after each decode attention; ``--splits N`` runs N spans a (sequence, kv head). ``rope``,
 ``attn``, ``merge``, ``--extra`` and ``--splits`` act on the Triton attention backend, the one
 the engine runs on CUDA. A PDL-off profile gives each kernel's own time; this gives what
@@ -26,7 +27,7 @@ from collections.abc import Collection, Iterator
 
 import torch
 
-SKIPPABLE = ("norm", "rope", "attn", "merge")
+SKIPPABLE = ("norm", "rope", "attn", "merge", "gemm")
 
 
 class _NoLaunch:
@@ -65,6 +66,7 @@ def ablated(
     from quantfw.kernels import fused
     from quantfw.kernels.attention import triton_paged
     from quantfw.kernels.common import pdl
+    from quantfw.kernels.kbit.triton import dispatch as kbit_dispatch
     from quantfw.layers.attention.backends import triton as backend
 
     saved = [
@@ -73,6 +75,7 @@ def ablated(
         (triton_paged, "paged_decode"),
         (triton_paged, "_merge_splits_kernel"),
         (triton_paged, "decode_splits"),
+        (kbit_dispatch, "kbit_matmul_cuda"),
     ]
     saved = [(module, name, getattr(module, name)) for module, name in saved]
     try:
@@ -88,6 +91,13 @@ def ablated(
             triton_paged._merge_splits_kernel = _NoLaunch()
         if splits is not None:
             triton_paged.decode_splits = lambda *args, **kwargs: splits
+        if "gemm" in skip:
+
+            def no_gemm(x2, weight, bias=None, config=None, act=None):
+                width = weight.out_features // (2 if act is not None else 1)
+                return x2.new_empty(x2.shape[0], width)
+
+            kbit_dispatch.kbit_matmul_cuda = no_gemm
         if "attn" in skip:
             triton_paged.paged_decode = lambda q, *args, **kwargs: q.new_empty(
                 q.shape[0], q.shape[1] * q.shape[2]

@@ -7,6 +7,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -67,9 +68,24 @@ def test_ablated_attn_output_shape():
     assert out.shape == (2, 32)
 
 
+def test_ablated_gemm_returns_the_output_shape_without_a_launch_and_is_undone():
+    from quantfw.kernels.fused import GatedAct
+    from quantfw.kernels.kbit.triton import dispatch
+
+    ablate = _module()
+    before = dispatch.kbit_matmul_cuda
+    weight = SimpleNamespace(out_features=64, in_features=32)  # no tensors: nothing to launch
+    x = torch.randn(3, 32, dtype=torch.float16)
+    with ablate.ablated({"gemm"}):
+        out = dispatch.kbit_matmul_cuda(x, weight)
+        gated = dispatch.kbit_matmul_cuda(x, weight, act=(GatedAct("silu"), 32))
+    assert out.shape == (3, 64) and out.dtype == x.dtype and gated.shape == (3, 32)
+    assert dispatch.kbit_matmul_cuda is before
+
+
 def test_unknown_skip_names_the_supported_ones():
     ablate = _module()
-    match = "unknown \\['mlp'\\]; supported: norm, rope, attn, merge"
+    match = "unknown \\['mlp'\\]; supported: norm, rope, attn, merge, gemm"
     with pytest.raises(ValueError, match=match), ablate.ablated({"mlp"}):
         pass
 

@@ -28,11 +28,11 @@ import triton
 import triton.language as tl
 
 from quantfw.bench.measure import measure_copy_bandwidth
-from quantfw.kernels.common import pdl, splitk, timing
+from quantfw.kernels.common import pdl, timing
 
 
 @triton.jit
-def _stage_rows(w_ptr, x_ptr, y_ptr, row0, D, ROWS: tl.constexpr, DP: tl.constexpr, w, X_CG):
+def _stage_rows(x_ptr, y_ptr, row0, D, w, ROWS: tl.constexpr, DP: tl.constexpr, X_CG: tl.constexpr):
     """y[row0 : row0 + ROWS] = w @ x for the CTA's loaded weight rows ``w`` [ROWS, DP]; x read
     past L1 when other CTAs of this kernel wrote it (``X_CG``)."""
     k = tl.arange(0, DP)
@@ -60,7 +60,7 @@ def _stage_kernel(w_ptr, x_ptr, y_ptr, D, ROWS: tl.constexpr, DP: tl.constexpr, 
     row0 = tl.program_id(0) * ROWS
     w = _load_rows(w_ptr, row0, D, ROWS, DP)
     pdl.triton_wait(PDL)
-    _stage_rows(w_ptr, x_ptr, y_ptr, row0, D, ROWS, DP, w, False)
+    _stage_rows(x_ptr, y_ptr, row0, D, w, ROWS, DP, False)
 
 
 @triton.jit
@@ -77,7 +77,7 @@ def _chain_kernel(
             seen = tl.atomic_add(cnt_ptr + s - 1, 0, sem="acquire")
             while seen < nctas:
                 seen = tl.atomic_add(cnt_ptr + s - 1, 0, sem="acquire")
-        _stage_rows(w_ptr, buf_ptr + s * D, buf_ptr + (s + 1) * D, row0, D, ROWS, DP, w, True)
+        _stage_rows(buf_ptr + s * D, buf_ptr + (s + 1) * D, row0, D, w, ROWS, DP, True)
         tl.debug_barrier()  # every thread's stores before the CTA's arrival
         ticket = tl.atomic_add(cnt_ptr + s, 1, sem="release")
         if (s == S - 1) & (ticket == nctas - 1):
@@ -102,12 +102,32 @@ def chain_persistent(
     weights: torch.Tensor, bufs: torch.Tensor, counters: torch.Tensor, rows: int
 ) -> torch.Tensor:
     """The chain as one launch of co-resident CTAs with a grid barrier between stages; the
-    caller checks that ``D / rows`` CTAs fit at once (`max_resident_ctas`)."""
+    caller checks that ``D / rows`` CTAs fit at once (`resident_ctas`), or it never ends."""
     S, D, _ = weights.shape
     _chain_kernel[(triton.cdiv(D, rows),)](
         weights, bufs, counters, D, S, ROWS=rows, DP=triton.next_power_of_2(D), num_warps=4
     )
     return bufs[S]
+
+
+def resident_ctas(
+    weights: torch.Tensor, bufs: torch.Tensor, counters: torch.Tensor, rows: int
+) -> int:
+    """How many CTAs of the persistent kernel fit on the GPU at once, from its compiled
+    registers and shared memory (4 warps a CTA)."""
+    S, D, _ = weights.shape
+    kernel = _chain_kernel.warmup(
+        weights, bufs, counters, D, S, ROWS=rows, DP=triton.next_power_of_2(D), num_warps=4,
+        grid=(1,),
+    )  # fmt: skip
+    kernel._init_handles()
+    props = torch.cuda.get_device_properties(weights.device)
+    threads = 4 * 32
+    regs = -(-max(kernel.n_regs, 1) // 8) * 8 * threads  # allocated in units of 8 a thread
+    by_regs = props.regs_per_multiprocessor // regs
+    by_threads = props.max_threads_per_multi_processor // threads
+    by_smem = props.shared_memory_per_multiprocessor // max(kernel.metadata.shared, 1)
+    return min(by_regs, by_threads, by_smem) * props.multi_processor_count
 
 
 def reference(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -122,23 +142,22 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=2048)
     ap.add_argument("--stages", type=int, default=16)
     ap.add_argument("--rows", type=int, default=8, help="weight rows a CTA")
-    ap.add_argument("--ctas-per-sm", type=int, default=2, help="the most CTAs that must fit")
     args = ap.parse_args()
     D, S, rows = args.dim, args.stages, args.rows
     dev = torch.device("cuda")
     ctas = triton.cdiv(D, rows)
-    sms = splitk.num_sms(dev)
-    if ctas > sms * args.ctas_per_sm:
-        raise SystemExit(
-            f"{ctas} CTAs for {sms} SMs: more than --ctas-per-sm {args.ctas_per_sm} each; the "
-            "persistent kernel needs every CTA resident (raise --rows)"
-        )
     g = torch.Generator(device=dev).manual_seed(0)
     weights = (torch.randn(S, D, D, device=dev, generator=g) / D**0.5).half()
     x = torch.randn(D, device=dev, generator=g).half()
-    bufs_l = torch.empty(S + 1, D, device=dev, dtype=torch.half)
-    bufs_p = torch.full((S + 1, D), float("nan"), device=dev, dtype=torch.half)
+    bufs_l = torch.full((S + 1, D), float("nan"), device=dev, dtype=torch.half)
+    bufs_p = bufs_l.clone()
     counters = torch.zeros(S, device=dev, dtype=torch.int32)
+    fit = resident_ctas(weights, bufs_p, counters, rows)
+    if ctas > fit:
+        raise SystemExit(
+            f"{ctas} CTAs of {rows} rows, but only {fit} fit at once: the persistent kernel "
+            "needs every CTA resident (raise --rows)"
+        )
     bufs_l[0] = x
     bufs_p[0] = x
     want = reference(weights, x).float()

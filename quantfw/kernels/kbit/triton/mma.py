@@ -255,8 +255,7 @@ def _load_chunk(
 def _chunk(
     ws, xs, ss, accs, lb, sel, W: gl.constexpr, L3: gl.constexpr, CH: gl.constexpr,
     TM: gl.constexpr, BITS: gl.constexpr, COPIES: gl.constexpr, IS_BF16: gl.constexpr,
-    UE8M0: gl.constexpr, x_ptr=None, xb0=0, x_off=0, x_pair=0, K2=0,
-    LAZY_X: gl.constexpr = False,
+    UE8M0: gl.constexpr,
 ):  # fmt: skip
     """The CH blocks of a chunk: per block and word j, two mma steps into a fresh partial sum,
     then acc += scale * partial."""
@@ -264,8 +263,6 @@ def _chunk(
     NW: gl.constexpr = 16 if BITS % 2 == 1 else 8  # weight bundles per 4 blocks
     for rr in gl.static_range(CH):
         res = ()
-        if LAZY_X:  # this block's x bundle only (TM = 8), not the chunk's
-            xr = _load_x(x_ptr, xb0 + rr, x_off, x_pair, K2, 1, TM)[0]
         for j in gl.static_range(4):
             part = _zeros(NH, W, L3)
             w0 = ws[NW * (rr // SCALE_BLOCKS) + 2 * j]
@@ -274,9 +271,7 @@ def _chunk(
             h1 = ws[NW * (rr // SCALE_BLOCKS) + (NW - 8) + 2 * j + 1]
             for v in gl.static_range(2):
                 a = _lookup(w0, w1, h0, h1, lb, sel, rr % SCALE_BLOCKS, v, BITS, COPIES)
-                if LAZY_X:
-                    part = _mma(xr, a, part, v, TM, False, IS_BF16)
-                elif TM == 8:
+                if TM == 8:
                     part = _mma(xs[rr], a, part, v, TM, False, IS_BF16)
                 else:
                     part = _mma(xs[2 * rr + v], a, part, 0, TM, False, IS_BF16)
@@ -510,7 +505,6 @@ def kbit_mma_kernel(
     LATE_RELEASE: gl.constexpr = False,  # PDL: let the next kernel launch once K is streamed
     TMA: gl.constexpr = False,  # weight words staged by TMA in a shared-memory slot
     S_TMA: gl.constexpr = False,  # with TMA, the scale words too (rows of 16-byte multiples)
-    LAZY_X: gl.constexpr = False,  # TMA, 8-token tiles: x loaded block by block in the chunk
 ):
     L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [W, 1, 1], [2, 1, 0])
     EW: gl.constexpr = 2 if BITS == 2 else 1  # table words per entry
@@ -628,10 +622,7 @@ def kbit_mma_kernel(
     if PDL:
         if not GROUPED:
             x_off += pdl.wait(PDL)
-        if not LAZY_X:
-            xs = _load_x(x_ptr, b0, x_off, x_pair, K2, CH, TM)
-    if LAZY_X:
-        xs = ()
+        xs = _load_x(x_ptr, b0, x_off, x_pair, K2, CH, TM)
 
     accs = _zeros(4 * (TM // 8), W, L3)
     for it in range(n_iter - 1):  # the last chunk after the loop: no loads past the plan
@@ -643,14 +634,10 @@ def kbit_mma_kernel(
             )  # fmt: skip
             if S_TMA:
                 ss = sst
-            accs = _chunk(
-                ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16, UE8M0,
-                x_ptr, b_next - SPLIT * WK * CH, x_off, x_pair, K2, LAZY_X,
-            )  # fmt: skip
+            accs = _chunk(ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16, UE8M0)
             if not S_TMA:
                 ss = _load_scales(s_ptr, b_next, s_off, nb_ok, KBP, KBS, MASK_K)
-            if not LAZY_X:
-                xs = _load_x(x_ptr, b_next, x_off, x_pair, K2, CH, TM)
+            xs = _load_x(x_ptr, b_next, x_off, x_pair, K2, CH, TM)
         elif PIPE:  # the next chunk's loads before this chunk's math
             nws, nxs, nss = _load_chunk(
                 q_ptr, x_ptr, s_ptr, b_next, q_off, h_off, c, x_off, x_pair, s_off, nb_ok,
@@ -674,10 +661,7 @@ def kbit_mma_kernel(
         if S_TMA:
             ss = sst
         mbarrier.invalidate(bar)  # its bytes may be reused by the sums below
-    accs = _chunk(
-        ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16, UE8M0,
-        x_ptr, b0 + (n_iter - 1) * SPLIT * WK * CH, x_off, x_pair, K2, LAZY_X,
-    )  # fmt: skip
+    accs = _chunk(ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16, UE8M0)
     if LATE_RELEASE:
         pdl.release(PDL)
 
@@ -841,7 +825,7 @@ def scales_by_tma(scales_int32: torch.Tensor, wk: int) -> bool:
 def _launch(
     x2, qweight, scales, lut, rows, N, bits, bias, tm, token_tiles, *, group=None, ue8m0=False,
     planned_tiles=None, warps=4, chunk=4, ctas_per_sm=4, copies=1, pipe=False, maxnreg=None,
-    wk=None, act=None, stage_by_tma=None, stage_scales=None, owner=None, lazy_x=False,
+    wk=None, act=None, stage_by_tma=None, stage_scales=None, owner=None,
 ):  # fmt: skip
     """One launch of `kbit_mma_kernel` over ``token_tiles`` tiles of ``tm`` tokens, into a new
     output of ``rows`` rows in x's dtype (the split
@@ -915,7 +899,7 @@ def _launch(
         HAS_BIAS=has_bias, IS_BF16=x2.dtype == torch.bfloat16, UE8M0=ue8m0,
         GROUPED=grouped, GATHER=gather is not None,
         ACT=_ACT_CODES[fn.kind] if fuse else 0, num_warps=warps, TMA=stage_by_tma,
-        S_TMA=stage_scales, LAZY_X=lazy_x and stage_by_tma and tm == 8,
+        S_TMA=stage_scales,
         LATE_RELEASE=fuse and not grouped and tiles > ctas_per_sm * sms,
         **pdl.launch_options(pdl.enabled(x2.device)),
         **({} if maxnreg is None else {"maxnreg": maxnreg}),

@@ -53,16 +53,18 @@ PREFILL_SWEEP = [
 ] + [dict(BLOCK_M=bm, WGMMA=True, stages=s) for bm, s in ((64, 4), (128, 3), (128, 4), (256, 3))]
 
 
-def sweep_for(rows_per_expert: float, quantized: bool) -> list[dict]:
-    """The configs worth timing for `rows_per_expert` (LUT and DEQUANT only for MXFP4
-    weights)."""
+def sweep_for(rows_per_expert: float, quantized: bool, default: dict | None = None) -> list[dict]:
+    """The configs worth timing for `rows_per_expert` (LUT, DEQUANT and WGMMA only for MXFP4
+    weights), `default` (the config the layer picks) first, so that the best of a sweep is
+    never one slower than the layer's own choice."""
     if rows_per_expert <= 16:
         grid = LUT_SWEEP + DECODE_SWEEP
     else:
         grid = PREFILL_SWEEP
-    return [
+    grid = [
         c for c in grid if quantized or not (c.get("LUT") or c.get("DEQUANT") or c.get("WGMMA"))
     ]
+    return grid if default is None else [default] + [c for c in grid if c != default]
 
 
 def copy_bandwidth() -> float:
@@ -173,8 +175,12 @@ def bench_tokens(t: int, dtype, copies, dense, fi, bw: float, sweep: bool) -> di
         row["flashinfer_rel_err"] = err(groups[2][0])
     if sweep:
         for name, sets in (("mxfp4", [(*c[0], c[1], c[2]) for c in copies]), ("bf16", dense)):
+            quantized = name == "mxfp4"
+            default = grouped_gemm.default_config(
+                t * TOP_K, E, 2 * INTER, H, mxfp4=quantized, dtype=dtype, hopper=is_sm90(x.device)
+            )
             best = _best_config(
-                sweep_for(t * TOP_K / min(E, t * TOP_K), name == "mxfp4"),
+                sweep_for(t * TOP_K / min(E, t * TOP_K), quantized, default),
                 lambda cfg, sets=sets: [_layer(x, weights, ids, *w, config=cfg) for w in sets],
                 err,
                 est,

@@ -95,6 +95,19 @@ def _attend_tile(q, k, v, nmask, m, denom, acc, scale_log2, PRECISION: tl.conste
 
 
 @triton.jit
+def _tile_rows(
+    block_tables, b, bt_stride, g, n0, hi, kv_row,
+    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Positions ``n0 + [0, BLOCK_N)``, which of them are below `hi`, and each one's element
+    offset of kv head `g` in the paged cache (through the sequence's block table)."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    nmask = n < hi
+    blk = tl.load(block_tables + b * bt_stride + n // PAGE, mask=nmask, other=0).to(tl.int64)
+    return n, nmask, (blk * PAGE + n % PAGE) * kv_row + g * HEAD_DIM
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr, k_cache, v_cache, block_tables, context_lens, sinks_ptr, out_ptr, part_out, part_lse,
     q_stride_t, q_stride_h, bt_stride, out_stride_t, scale_log2, window,
@@ -126,10 +139,9 @@ def _paged_decode_kernel(
     dmask = d < HEAD_DIM
     kv_row = NUM_KV_HEADS * HEAD_DIM
     # the first tile's cached keys and values, then the wait, then q and the new token's row
-    n = lo + tl.arange(0, BLOCK_N)
-    nmask = n < hi
-    blk = tl.load(block_tables + b * bt_stride + n // PAGE, mask=nmask, other=0).to(tl.int64)
-    rows = (blk * PAGE + n % PAGE) * kv_row + g * HEAD_DIM
+    n, nmask, rows = _tile_rows(
+        block_tables, b, bt_stride, g, lo, hi, kv_row, HEAD_DIM, PAGE, BLOCK_N
+    )
     cached = (nmask & (n < ctx - 1))[:, None] & dmask[None, :]
     k = tl.load(k_cache + rows[:, None] + d[None, :], mask=cached, other=0.0)
     v = tl.load(v_cache + rows[:, None] + d[None, :], mask=cached, other=0.0)
@@ -148,10 +160,9 @@ def _paged_decode_kernel(
     if lo < hi:
         m, denom, acc = _attend_tile(q, k, v, nmask, m, denom, acc, scale_log2, PRECISION)
     for n0 in range(lo + BLOCK_N, hi, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        nmask = n < hi
-        blk = tl.load(block_tables + b * bt_stride + n // PAGE, mask=nmask, other=0).to(tl.int64)
-        rows = (blk * PAGE + n % PAGE) * kv_row + g * HEAD_DIM
+        n, nmask, rows = _tile_rows(
+            block_tables, b, bt_stride, g, n0, hi, kv_row, HEAD_DIM, PAGE, BLOCK_N
+        )
         kvmask = nmask[:, None] & dmask[None, :]
         k = tl.load(k_cache + rows[:, None] + d[None, :], mask=kvmask, other=0.0)
         v = tl.load(v_cache + rows[:, None] + d[None, :], mask=kvmask, other=0.0)

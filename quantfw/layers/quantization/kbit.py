@@ -302,12 +302,10 @@ class KbitLinearMethod(LinearMethodBase):
     def _weight(layer: nn.Module) -> kbit.KbitWeight:
         """The layer's `KbitWeight`, kept across calls (`kept_runtime`: the kernels cache
         per-weight tables and TMA descriptors on it)."""
-        in_features, out_features = layer.kbit_features
         return kept_runtime(
             layer, "kbit", layer.kbit_qweight,
             lambda: kbit.KbitWeight(
-                layer.kbit_qweight, layer.kbit_scales, layer.kbit_codebook, in_features,
-                out_features,
+                layer.kbit_qweight, layer.kbit_scales, layer.kbit_codebook, *layer.kbit_features
             ),
         )  # fmt: skip
 

@@ -193,10 +193,11 @@ def _packed(layer: nn.Module, name: str) -> grouped.Mxfp4Weights | None:
     qweight = getattr(layer, f"{name}_qweight", None)
     if qweight is None:
         return None
-    n, k = getattr(layer, f"{name}_mxfp4_size")
     return kept_runtime(
         layer, name, qweight,
-        lambda: grouped.Mxfp4Weights(qweight, getattr(layer, f"{name}_qscales"), n, k),
+        lambda: grouped.Mxfp4Weights(
+            qweight, getattr(layer, f"{name}_qscales"), *getattr(layer, f"{name}_mxfp4_size")
+        ),
     )  # fmt: skip
 
 

@@ -3,7 +3,8 @@ slots to stream at its bandwidth floor: no GPU needed (sm_90 compiles through Tr
 ptxas and nvdisasm, as the CPU tests compile).
 
 For each one-token default of `kbit_mma_kernel` (kbit K = 2..5, and MXFP4's grouped bf16 launch
-with W13's SwiGLU; and the 16-token tile at K = 2, 4): registers, shared memory, the SASS
+with W13's SwiGLU; and the 16-token tile at K = 2, 4, unstaged and staged under its register
+cap): registers, shared memory, the SASS
 instructions of the loop body (one iteration: each warp one chunk of 4 blocks x 64 columns, 8192
 weights, 32 `HMMA` a tile of 8 tokens) by opcode, and the share of the GPU's peak issue rate (SMs x
 4 schedulers x clock, one warp instruction a cycle each) that those instructions take when the
@@ -57,16 +58,19 @@ def variants() -> list[tuple[str, int, dict]]:
     mx = {**base, "SPLIT": 1, "ACT": 2, "COPIES": 32, "BITS": 4, "TMA": True, "MASK_K": True,
           "HAS_BIAS": True, "IS_BF16": True, "UE8M0": True, "GROUPED": True, "GATHER": True}  # fmt: skip
     out.append(("MXFP4 W13 grouped + SwiGLU", 4, mx))
-    for bits in (2, 4):  # the 16-token tile (9-16 tokens where `mma.token_tile` keeps one)
+    for bits in (2, 4):  # the 16-token tile, unstaged and where `mma.staged_tile16` stages it
         copies = configs.default_config(16, 0, 0, bits)[4]
         tile16 = {**base, "TM": 16, "SPLIT": 2, "ACT": 0, "COPIES": copies, "BITS": bits,
                   "TMA": False}  # fmt: skip
         out.append((f"kbit K={bits} 16-token split K", bits, tile16))
+        staged = {**tile16, "TMA": True, "MAXNREG": 168}
+        out.append((f"kbit K={bits} 16-token staged", bits, staged))
     return out
 
 
 def compile_variant(bits: int, consts: dict) -> tuple[str, int, int]:
-    """(SASS text, registers, shared bytes) of one sm_90 compile."""
+    """(SASS text, registers, shared bytes) of one sm_90 compile (``MAXNREG`` in `consts`: a
+    register cap)."""
     import triton
     from aot import compile_for_sm90
     from test_kbit_kernels import _MMA_SIGNATURE
@@ -87,8 +91,10 @@ def compile_variant(bits: int, consts: dict) -> tuple[str, int, int]:
         consts = {**consts, "S_TMA": not consts["GROUPED"]}
     else:
         consts = {**consts, "w_desc": None, "o_desc": None, "s_desc": None}
+    cap = consts.pop("MAXNREG", None)
+    options = {} if cap is None else {"maxnreg": cap}
     kernel = compile_for_sm90(
-        KM.kbit_mma_kernel, sig, consts, aligned=ALIGNED, num_warps=4, launch_pdl=True
+        KM.kbit_mma_kernel, sig, consts, aligned=ALIGNED, num_warps=4, launch_pdl=True, **options
     )
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as tmp:

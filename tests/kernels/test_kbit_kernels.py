@@ -86,10 +86,12 @@ def test_cpu_matmul_matches_reference():
     assert "quantfw.kernels.kbit.triton.dispatch" not in sys.modules
 
 
-def test_token_tile_rule():
-    """9-16 tokens run as two 8-token tiles where those are staged and fill the GPU's CTA slots
-    better than one 16-token tile (132 SMs: Qwen3-8B's qkv and gate_up, whose 16-token plans
-    leave 27% of the slots empty), one 16-token tile elsewhere (o, down: both fill 97%)."""
+def test_staged_tile16_rule():
+    """9-16 tokens run one 16-token tile, TMA-staged and planned for 3 CTAs an SM where the
+    launch can be staged and that plan fills the GPU's CTA slots better than the unstaged
+    tile's 2 an SM (132 SMs: Qwen3-8B's qkv and gate_up, whose 2-an-SM plans leave 27% of
+    the slots empty); unstaged at 2 an SM elsewhere (o: 3 an SM would fill 65%; down: both
+    97%)."""
     pytest.importorskip("triton")
     from quantfw.kernels.kbit.triton import mma as KM
 
@@ -99,15 +101,53 @@ def test_token_tile_rule():
         "gate_up": (24576, 4096),
         "down": (4096, 12288),
     }
-    tiles = {
-        name: [KM.token_tile(M, n // 64, k // 32, 132, True, 4, 4, 4) for M in (1, 8, 9, 16, 17)]
+    staged = {
+        name: [KM.staged_tile16(M, n // 64, k // 32, 132, True, 4, 4, 4) for M in (1, 8, 9, 16, 17)]
         for name, (n, k) in shapes.items()
     }
-    assert tiles == {"qkv": [8, 8, 8, 8, 16], "o": [8, 8, 16, 16, 16],
-                     "gate_up": [8, 8, 8, 8, 16], "down": [8, 8, 16, 16, 16]}  # fmt: skip
-    assert KM.token_tile(12, 96, 128, 132, False, 4, 4, 4) == 16  # not staged: one tile
+    no, yes = [False] * 5, [False, False, True, True, False]
+    assert staged == {"qkv": yes, "o": no, "gate_up": yes, "down": no}
+    assert not KM.staged_tile16(12, 96, 128, 132, False, 4, 4, 4)  # cannot be staged
     assert round(KM._wave_fill(96, 128, 1, 132, 4, 4, 4, 2), 3) == 0.727  # 192 CTAs of 264
+    assert round(KM._wave_fill(96, 128, 1, 132, 4, 4, 4, 3), 3) == 0.97  # 384 of 396
     assert round(KM._wave_fill(384, 128, 1, 132, 4, 4, 4, 2), 3) == 0.727  # 384 of 2 x 264
+    assert round(KM._wave_fill(64, 128, 1, 132, 4, 4, 4, 3), 3) == 0.646  # 256 of 396
+
+
+@pytest.mark.parametrize("bits,act", [(4, 0), (4, 1), (2, 0), (2, 1)])
+def test_staged_tile16_fits_three_ctas_an_sm_without_a_gpu(bits, act, tmp_path):
+    """The staged 16-token tile (`staged_tile16`) compiled for sm_90 with its register cap:
+    at most `TILE16_STAGED_MAXNREG` registers (3 CTAs of 4 warps an SM) and a small spill (the
+    cap measured 32-56 bytes of stack; much more would cost the loop its speed), both the
+    split-K launch and gate_up's gated epilogue."""
+    triton = pytest.importorskip("triton")
+    from aot import compile_for_sm90
+    from triton.experimental.gluon import language as gl
+
+    from quantfw.kernels.kbit.triton import mma as KM
+
+    slot = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    mw = 16 if bits >= 4 else 8
+    signature = {**_MMA_SIGNATURE, "w_desc": f"tensordesc<i32[64, {mw}],{slot!r}>",
+                 "o_desc": f"tensordesc<i32[64, 4],{slot!r}>",
+                 "s_desc": f"tensordesc<i32[64, 4],{slot!r}>"}  # fmt: skip
+    consts = dict(W=4, CH=4, TM=16, SPLIT=2 - act, COPIES={2: 16, 4: 32}[bits], BITS=bits,
+                  PIPE=False, MASK_N=False, MASK_K=False, HAS_BIAS=False, IS_BF16=False,
+                  UE8M0=False, GROUPED=False, GATHER=False, PDL=True, WK=4, ACT=act,
+                  LATE_RELEASE=False, TMA=True, S_TMA=True)  # fmt: skip
+    # pointers and sizes as multiples of 16, as the JIT specialises Qwen3-8B's launches
+    aligned = ("x_ptr", "q_ptr", "s_ptr", "lut_ptr", "out_ptr", "ws_ptr", "K2", "KBP", "KBS",
+               "stride_xm", "stride_om")  # fmt: skip
+    kernel = compile_for_sm90(KM.kbit_mma_kernel, signature, consts, aligned, num_warps=4,
+                              launch_pdl=True, maxnreg=KM.TILE16_STAGED_MAXNREG)  # fmt: skip
+    cubin = tmp_path / "kernel.cubin"
+    cubin.write_bytes(kernel.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    usage = subprocess.run([tool, "--dump-resource-usage", str(cubin)], capture_output=True,
+                           text=True, check=True).stdout  # fmt: skip
+    regs, stack = (int(v) for v in re.search(r"REG:(\d+) STACK:(\d+) ", usage).groups())
+    assert regs <= KM.TILE16_STAGED_MAXNREG and stack <= 64, usage
+    assert 3 * kernel.metadata.shared <= 228 * 1024
 
 
 def test_configs_and_their_checks():
@@ -366,7 +406,8 @@ def test_sass_loop_probe_runs_without_a_gpu():
     share a one-token GEMM needs at its floor, kbit-lab-log §25) still finds the loop of every
     default variant (one chunk of 32 `HMMA` a warp, 64 in the 16-token tile); K = 2 needs a
     larger share than K = 4 (half the bytes a weight, nearly as many instructions), K = 3 too,
-    and the 16-token tile more than the 8-token one (its fold twice over)."""
+    and the 16-token tile more than the 8-token one (its fold twice over), staged under its
+    register cap at 168 registers."""
     pytest.importorskip("triton")
     script = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "sass_mma_loop.py")
     done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
@@ -374,7 +415,8 @@ def test_sass_loop_probe_runs_without_a_gpu():
     shares = dict(
         re.findall(r"^(.+?)\s+\d+ regs.*issue share at the floor ([\d.]+)", done.stdout, re.M)
     )
-    assert len(shares) == 11, done.stdout
+    assert len(shares) == 13, done.stdout
+    assert re.search(r"^kbit K=4 16-token staged\s+168 regs", done.stdout, re.M), done.stdout
     share = {name: float(v) for name, v in shares.items()}
     assert 0.3 < share["kbit K=4 split K"] < share["kbit K=2 split K"]
     assert share["kbit K=3 split K"] > share["kbit K=4 split K"] and share["kbit K=5 split K"] > 0.5
@@ -659,10 +701,12 @@ def test_gpu_tma_staging_matches_register_loads(dtype, bits):
     """The TMA-staged weight words (sm_90) give the register-loaded kernel's sums: bit for
     bit where no split across CTAs reorders them (each column block's K in one CTA), else
     within tolerance of the float64 reference; M = 1, 5, 8, bias, N past the last block, and at
-    K = 2, 4 12 and 16 tokens, staged as two 8-token tiles where `token_tile` picks them (N =
-    24576: 384 column blocks) against one 16-token tile unstaged. With K padded to a multiple of 512
-    (K = 512, 4608) the scale words are staged too, by default, and the same with them staged
-    or loaded (K = 4160: loaded)."""
+    K = 2, 4 12 and 16 tokens, the 16-token tile staged and capped at 168 registers where
+    `staged_tile16` picks it (N = 24576: 384 column blocks; N = 6144: 96, split 4 ways across
+    CTAs) against it unstaged and uncapped. With K padded to a multiple of 512 (K = 512, 4096,
+    4608) the scale words are staged too, by default, and the same with them staged or loaded
+    (K = 4160: loaded)."""
+    from quantfw.kernels.common import splitk
     from quantfw.kernels.kbit.triton import dispatch
     from quantfw.kernels.kbit.triton import mma as KM
 
@@ -670,8 +714,11 @@ def test_gpu_tma_staging_matches_register_loads(dtype, bits):
     if not KM.tma_staging(torch.device("cuda"), 4, 8, 4, 4, 4, 32):
         pytest.skip("TMA staging needs sm_90+")
     gen = torch.Generator(device="cuda").manual_seed(7)
-    # 384 column blocks: no split; 16: split
-    for N, K in ((24576, 512), (1000, 4160), (1000, 4608)):
+    # 384 column blocks: no split; 16: split; 96 (Qwen3-8B's qkv): the staged 16-token tile
+    # split 4 ways across CTAs
+    for N, K in ((24576, 512), (1000, 4160), (1000, 4608), (6144, 4096)):
+        if N == 6144 and bits not in (2, 4):
+            continue
         planes, absmax, cb, ref = random_weight(N, K, bits, seed=N + K, device="cuda")
         w = kbit.repack_weight(planes, absmax, cb)
         lut = dispatch._lookup_table(w, dtype)
@@ -695,6 +742,9 @@ def test_gpu_tma_staging_matches_register_loads(dtype, bits):
                 assert _rel(run, want) < TOL[dtype], what
             if N == 24576:
                 assert all(torch.equal(runs[0], run) for run in runs[1:]), what
+            if M > 8 and N in (24576, 6144) and splitk.num_sms(x.device) == 132:
+                # the staged 16-token tile ran (H100 and H200 SXM)
+                assert KM.staged_tile16(M, N // 64, K // 32, 132, True, 4, 4, 4), what
 
 
 @gpu

@@ -76,7 +76,8 @@ def _mma_default(M: int, bits: int) -> tuple:
     K = 5 with its scale words staged by TMA takes 168-185, but planning for 3 was no faster,
     kbit-lab-log §26); planning the split for exactly that many keeps the grid to one wave
     (H200, benchmarks/kbit-lab-log.md §5; 16-token tiles planned for 4 ran up to 1.3x slower,
-    §27). `mma.token_tile` may run 9-16 tokens as two 8-token tiles instead (planned for 3)."""
+    §27). `mma.staged_tile16` may stage the 16-token tile instead, capped at 168 registers and
+    planned for 3 (§33)."""
     if bits in (3, 5):
         return ("mma", 4, 4, 2, _mma_copies(bits), False)
     return ("mma", 4, 4, 3 if M <= 8 else 2, _mma_copies(bits), False)

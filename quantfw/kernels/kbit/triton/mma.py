@@ -39,9 +39,10 @@ kernel's self-cleaning workspace.
 
 Weight words reach the registers one of two ways. Register loads: a warp loads its next
 chunk's words after the chunk's math, and waits for them at the next chunk's first lookup.
-TMA staging (`tma_staging`: sm_90, K = 2, 4, 5 and MXFP4, 8-token tiles): the CTA's words of
-one iteration (WK boxes of [64 rows, a quad's field words], 8 or 16 words a row, and at K = 3, 5
-WK boxes of its four 1-bit words into a second slot) land in shared memory on an mbarrier;
+TMA staging (`tma_staging`: sm_90, K = 2, 4, 5 and MXFP4, 8-token tiles; 16-token ones where
+`staged_tile16` picks them): the CTA's words of one iteration (WK boxes of [64 rows, a quad's
+field words], 8 or 16 words a row, and at K = 3, 5 WK boxes of its four 1-bit words into a
+second slot) land in shared memory on an mbarrier;
 the warps copy them to registers (at K = 2, 3 lanes c and c + 1 read the same word, as their
 register loads do), a CTA barrier frees the slots, and TMA refills them with the next
 iteration while this one computes (`_tma_words`). Dense launches stage the iteration's scale
@@ -757,7 +758,8 @@ def tma_staging(
 ) -> bool:
     """Whether a launch stages its weight words by TMA (`_tma_words`): on sm_90+ one-quad
     chunks with every warp on one column block, 8-token tiles (measured faster at one token,
-    slower for 16-token tiles: benchmarks/kbit-lab-log.md §19, §23, §24); at K = 2, 4 (and
+    not for 16-token tiles at 2 CTAs an SM: benchmarks/kbit-lab-log.md §19, §23, §24; those
+    are staged where `staged_tile16` plans them for 3); at K = 2, 4 (and
     MXFP4) where the table is larger than the slot (K = 4: 32 copies against 16 KB; K = 2: 16
     copies of two-word entries against 8 KB), so that it stays at the start of shared memory;
     at K = 5 always; not at K = 3 (2.7% slower end to end; the kernel can stage it, padding
@@ -772,14 +774,15 @@ def tma_staging(
     return _table_entries(bits) * copies * entry_bytes > wk * 64 * 4 * bits * 4
 
 
-#: CTAs per SM that a one-quad, 4-warp CTA fits by its registers: 8-token tiles at K = 2, 4
-#: (about 167 registers), 16-token tiles (about 206)
-TILE8_CTAS_PER_SM = 3
+#: CTAs per SM that a one-quad, 4-warp CTA fits by its registers: 16-token tiles (about 206
+#: registers), and 16-token tiles capped at `TILE16_STAGED_MAXNREG` (K = 2, 4: 32-56 bytes of
+#: spills, a few reloads in the loop; 8-token tiles take about 167 and fit 3 uncapped)
 TILE16_CTAS_PER_SM = 2
-#: bit widths whose 9-16-token launches may run as two 8-token tiles (`token_tile`): not K = 3
-#: (its 8-token tiles are not staged) nor K = 5 (its decode, 5.2 instructions a weight, done
-#: twice lost 1.1-1.5x to one 16-token tile on every Qwen3-8B shape: kbit-lab-log §27)
-PAIRED_TILE_BITS = (2, 4)
+TILE16_STAGED_CTAS_PER_SM = 3
+TILE16_STAGED_MAXNREG = 168
+#: bit widths whose 9-16-token launches may run one staged 16-token tile (`staged_tile16`):
+#: not K = 3 (its tiles are not staged) nor K = 5 (its 16-token tile takes 255 registers)
+STAGED_TILE16_BITS = (2, 4)
 
 
 def _wave_fill(
@@ -792,22 +795,21 @@ def _wave_fill(
     return ctas / (triton.cdiv(ctas, slots) * slots)
 
 
-def token_tile(
+def staged_tile16(
     M: int, blocks: int, kbp: int, sms: int, tma: bool, warps: int, wk: int, chunk: int
-) -> int:
-    """Tokens per CTA tile of a dense launch of M tokens over ``blocks`` 64-column blocks and
-    ``kbp`` blocks of 32 along K: 8 up to 8 tokens; at 9-16 tokens two 8-token tiles where
-    those are TMA-staged (``tma``: `tma_staging` of an 8-token tile) and fill the GPU's CTA
-    slots better than one 16-token tile does (each 8-token tile decodes the weights again;
-    two of them won where the 16-token tile left a fifth of its slots empty and lost
-    otherwise: Qwen3-8B's qkv and gate_up against o and down, kbit-lab-log §27), else 16."""
-    if M <= 8:
-        return 8
-    if M > 16 or not tma:
-        return 16
-    pair = _wave_fill(blocks, kbp, 2, sms, warps, wk, chunk, TILE8_CTAS_PER_SM)
+) -> bool:
+    """Whether a dense launch of M tokens over ``blocks`` 64-column blocks and ``kbp`` blocks
+    of 32 along K runs its 16-token tile TMA-staged, capped at `TILE16_STAGED_MAXNREG`
+    registers and planned for `TILE16_STAGED_CTAS_PER_SM` CTAs an SM: at 9-16 tokens where the
+    launch can be staged (``tma``: `tma_staging` of its 8-token tile) and that plan fills the
+    GPU's CTA slots better than the unstaged tile's 2 an SM (Qwen3-8B's qkv and gate_up, 1.05x
+    and 1.26-1.39x faster on an H100; on o and down the 3-an-SM plan was 0.83-0.92x:
+    benchmarks/kbit-lab-log.md §33)."""
+    if not 8 < M <= 16 or not tma:
+        return False
+    staged = _wave_fill(blocks, kbp, 1, sms, warps, wk, chunk, TILE16_STAGED_CTAS_PER_SM)
     one = _wave_fill(blocks, kbp, 1, sms, warps, wk, chunk, TILE16_CTAS_PER_SM)
-    return 8 if pair > one + 0.1 else 16
+    return staged > one + 0.1
 
 
 def scales_by_tma(scales_int32: torch.Tensor, wk: int) -> bool:
@@ -937,22 +939,23 @@ def kbit_mma_matmul(
     registers per thread (None: the compiler's choice), ``wk`` warps per 64-column block
     splitting its chunks (None: all ``warps``; see `_launch`); ``act``: a gated pair's
     activation, out [M, N / 2] (see `_launch`); ``stage_by_tma``, ``stage_scales``,
-    ``owner``: see `_launch`. Tokens go in 8-token tiles up to 8, at 9-16 in one 16-token tile
-    or two 8-token ones (`token_tile`, then planned for `TILE8_CTAS_PER_SM`), beyond in
-    16-token tiles."""
+    ``owner``: see `_launch`. Tokens go in 8-token tiles up to 8, beyond in 16-token tiles,
+    at 9-16 tokens staged where `staged_tile16` picks it (then planned for
+    `TILE16_STAGED_CTAS_PER_SM` and capped at ``maxnreg`` or `TILE16_STAGED_MAXNREG`)."""
     x2 = as_int32_pairs(x2)
     M = x2.shape[0]
     tm = 8 if M <= 8 else 16
-    if 8 < M <= 16 and bits in PAIRED_TILE_BITS:
+    if 8 < M <= 16 and bits in STAGED_TILE16_BITS:
         wk_all = warps if wk is None else wk
         tma = stage_by_tma
         if tma is None:
             tma = tma_staging(x2.device, bits, 8, warps, wk_all, chunk, copies)
         blocks, kbp = qweight.shape[-2] // 64, qweight.shape[-1] // bits
         sms = splitk.num_sms(x2.device)
-        tm = token_tile(M, blocks, kbp, sms, tma, warps, wk_all, chunk)
-        if tm == 8:  # two tiles, planned as the one-token launches run
-            ctas_per_sm = TILE8_CTAS_PER_SM
+        if staged_tile16(M, blocks, kbp, sms, tma, warps, wk_all, chunk):
+            ctas_per_sm = TILE16_STAGED_CTAS_PER_SM
+            stage_by_tma = True
+            maxnreg = TILE16_STAGED_MAXNREG if maxnreg is None else maxnreg
     return _launch(
         x2, qweight, scales, lut, M, N, bits, bias, tm, triton.cdiv(M, tm), warps=warps,
         chunk=chunk, ctas_per_sm=ctas_per_sm, copies=copies, pipe=pipe, maxnreg=maxnreg, wk=wk,

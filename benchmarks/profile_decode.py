@@ -3,6 +3,10 @@ Qwen3-8B-shaped model (dummy weights), kernels grouped by kind, next to the step
 the bandwidth floor (weight bytes / measured copy bandwidth).
 
     python benchmarks/profile_decode.py --layers 36 --methods fp16,awq,kbit4 --batch-sizes 1,16
+    QUANTFW_PDL=0 python benchmarks/profile_decode.py --methods fp16,kbit4 --profile-batch 16
+
+(The kernel profile is of ``--profile-batch`` sequences. With programmatic dependent launch on, a
+kernel's time includes its wait for the previous one: profile with ``QUANTFW_PDL=0``.)
 """
 
 from __future__ import annotations
@@ -214,6 +218,7 @@ def main() -> None:
     ap.add_argument(
         "--decode-window", type=int, default=1, help="1: the kernel profile is per decode step"
     )
+    ap.add_argument("--profile-batch", type=int, default=1, help="batch of the kernel profile")
     args = ap.parse_args()
     from quantfw.engine import LLMEngine
 
@@ -260,15 +265,16 @@ def main() -> None:
                         f"{method} prefill {args.prompt_len}: {row['prefill_ms']:.1f} ms",
                         flush=True,
                     )
-                    row["profile_bs1"] = profile_steps(engine, 1)
-                    kinds = sorted(row["profile_bs1"]["by_kind_us"].items(), key=lambda kv: -kv[1])
+                    pb = args.profile_batch
+                    prof = row[f"profile_bs{pb}"] = profile_steps(engine, pb)
+                    kinds = sorted(prof["by_kind_us"].items(), key=lambda kv: -kv[1])
                     total = sum(v for _, v in kinds)
-                    print(f"{method} bs1 GPU us/step {total:.0f}: " + ", ".join(
+                    print(f"{method} bs{pb} GPU us/step {total:.0f}: " + ", ".join(
                         f"{k} {v:.0f}" for k, v in kinds), flush=True)  # fmt: skip
-                    for name, us in row["profile_bs1"]["top_kernels_us"].items():
+                    for name, us in prof["top_kernels_us"].items():
                         print(f"    {us:8.1f} us  {name}", flush=True)
                     if args.host_profile:
-                        host_profile(engine, 1)
+                        host_profile(engine, pb)
                 report["runs"].append(row)
                 print(f"  (load {load_s:.1f} s, weights {wb / 2**30:.2f} GiB)", flush=True)
                 del engine

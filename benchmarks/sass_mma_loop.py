@@ -33,10 +33,6 @@ sys.path[:0] = [
     os.path.join(HERE, "..", "tests", "kernels"),
 ]
 
-#: pointers and sizes compiled as multiples of 16, as the JIT specialises them (without it the
-#: weight loads come out as 4-byte ones: kbit-lab-log §10)
-ALIGNED = ("x_ptr", "q_ptr", "s_ptr", "lut_ptr", "out_ptr", "ws_ptr", "K2", "KBP", "KBS",
-           "stride_xm", "stride_om")  # fmt: skip
 WEIGHTS_PER_ITERATION = 4 * 32 * 64  # a warp's chunk: 4 blocks of 32 inputs x 64 columns
 
 
@@ -72,21 +68,15 @@ def compile_variant(bits: int, consts: dict) -> tuple[str, int, int]:
     """(SASS text, registers, shared bytes) of one sm_90 compile (``MAXNREG`` in `consts`: a
     register cap)."""
     import triton
-    from aot import compile_for_sm90
-    from test_kbit_kernels import _MMA_SIGNATURE
-    from triton.experimental.gluon import language as gl
+    from aot import compile_for_sm90, resource_usage
+    from test_kbit_kernels import _MMA_ALIGNED, _MMA_SIGNATURE, _mma_tma_signature
 
     from quantfw.kernels.kbit.triton import mma as KM
 
-    sig = dict(_MMA_SIGNATURE)
+    sig = _mma_tma_signature(bits) if consts["TMA"] else dict(_MMA_SIGNATURE)
     if consts["IS_BF16"]:
         sig.update(bias_ptr="*bf16", out_ptr="*bf16")
     if consts["TMA"]:
-        slot = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-        mw = 16 if bits >= 4 else 8
-        sig["w_desc"] = f"tensordesc<i32[64, {mw}],{slot!r}>"
-        sig["o_desc"] = f"tensordesc<i32[64, 4],{slot!r}>"
-        sig["s_desc"] = f"tensordesc<i32[64, 4],{slot!r}>"
         # Qwen3-8B's K: whole 16-byte scale rows, staged in dense launches (not grouped ones)
         consts = {**consts, "S_TMA": not consts["GROUPED"]}
     else:
@@ -94,7 +84,13 @@ def compile_variant(bits: int, consts: dict) -> tuple[str, int, int]:
     cap = consts.pop("MAXNREG", None)
     options = {} if cap is None else {"maxnreg": cap}
     kernel = compile_for_sm90(
-        KM.kbit_mma_kernel, sig, consts, aligned=ALIGNED, num_warps=4, launch_pdl=True, **options
+        KM.kbit_mma_kernel,
+        sig,
+        consts,
+        aligned=_MMA_ALIGNED,
+        num_warps=4,
+        launch_pdl=True,
+        **options,
     )
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.TemporaryDirectory() as tmp:
@@ -102,9 +98,7 @@ def compile_variant(bits: int, consts: dict) -> tuple[str, int, int]:
         with open(cubin, "wb") as f:
             f.write(kernel.asm["cubin"])
         sass = subprocess.run([f"{tools}/nvdisasm", "-c", cubin], capture_output=True, text=True)
-        usage = subprocess.run([f"{tools}/cuobjdump", "-res-usage", cubin], capture_output=True,
-                               text=True)  # fmt: skip
-    regs = int(re.search(r"REG:(\d+)", usage.stdout).group(1))
+    regs = int(re.search(r"REG:(\d+)", resource_usage(kernel)).group(1))
     return sass.stdout, regs, kernel.metadata.shared
 
 

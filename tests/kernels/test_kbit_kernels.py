@@ -115,36 +115,24 @@ def test_staged_tile16_rule():
 
 
 @pytest.mark.parametrize("bits,act", [(4, 0), (4, 1), (2, 0), (2, 1)])
-def test_staged_tile16_fits_three_ctas_an_sm_without_a_gpu(bits, act, tmp_path):
+def test_staged_tile16_fits_three_ctas_an_sm_without_a_gpu(bits, act):
     """The staged 16-token tile (`staged_tile16`) compiled for sm_90 with its register cap:
     at most `TILE16_STAGED_MAXNREG` registers (3 CTAs of 4 warps an SM) and a small spill (the
     cap measured 32-56 bytes of stack; much more would cost the loop its speed), both the
     split-K launch and gate_up's gated epilogue."""
-    triton = pytest.importorskip("triton")
-    from aot import compile_for_sm90
-    from triton.experimental.gluon import language as gl
+    pytest.importorskip("triton")
+    from aot import compile_for_sm90, resource_usage
 
     from quantfw.kernels.kbit.triton import mma as KM
 
-    slot = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    mw = 16 if bits >= 4 else 8
-    signature = {**_MMA_SIGNATURE, "w_desc": f"tensordesc<i32[64, {mw}],{slot!r}>",
-                 "o_desc": f"tensordesc<i32[64, 4],{slot!r}>",
-                 "s_desc": f"tensordesc<i32[64, 4],{slot!r}>"}  # fmt: skip
     consts = dict(W=4, CH=4, TM=16, SPLIT=2 - act, COPIES={2: 16, 4: 32}[bits], BITS=bits,
                   PIPE=False, MASK_N=False, MASK_K=False, HAS_BIAS=False, IS_BF16=False,
                   UE8M0=False, GROUPED=False, GATHER=False, PDL=True, WK=4, ACT=act,
                   LATE_RELEASE=False, TMA=True, S_TMA=True)  # fmt: skip
-    # pointers and sizes as multiples of 16, as the JIT specialises Qwen3-8B's launches
-    aligned = ("x_ptr", "q_ptr", "s_ptr", "lut_ptr", "out_ptr", "ws_ptr", "K2", "KBP", "KBS",
-               "stride_xm", "stride_om")  # fmt: skip
-    kernel = compile_for_sm90(KM.kbit_mma_kernel, signature, consts, aligned, num_warps=4,
-                              launch_pdl=True, maxnreg=KM.TILE16_STAGED_MAXNREG)  # fmt: skip
-    cubin = tmp_path / "kernel.cubin"
-    cubin.write_bytes(kernel.asm["cubin"])
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    usage = subprocess.run([tool, "--dump-resource-usage", str(cubin)], capture_output=True,
-                           text=True, check=True).stdout  # fmt: skip
+    kernel = compile_for_sm90(KM.kbit_mma_kernel, _mma_tma_signature(bits), consts, _MMA_ALIGNED,
+                              num_warps=4, launch_pdl=True,
+                              maxnreg=KM.TILE16_STAGED_MAXNREG)  # fmt: skip
+    usage = resource_usage(kernel)
     regs, stack = (int(v) for v in re.search(r"REG:(\d+) STACK:(\d+) ", usage).groups())
     assert regs <= KM.TILE16_STAGED_MAXNREG and stack <= 64, usage
     assert 3 * kernel.metadata.shared <= 228 * 1024
@@ -299,6 +287,23 @@ _MMA_SIGNATURE = {
     "num_experts": "i32", "stride_xm": "i32", "stride_om": "i32", "stride_qe": "i32",
     "stride_se": "i32", "stride_be": "i32", "act_alpha": "fp32", "act_limit": "fp32",
 }  # fmt: skip
+#: pointers and sizes compiled as multiples of 16, as the JIT specialises Qwen3-8B's launches
+#: (without it the weight loads come out as 4-byte ones: kbit-lab-log §10)
+_MMA_ALIGNED = ("x_ptr", "q_ptr", "s_ptr", "lut_ptr", "out_ptr", "ws_ptr", "K2", "KBP", "KBS",
+                "stride_xm", "stride_om")  # fmt: skip
+
+
+def _mma_tma_signature(bits: int) -> dict[str, str]:
+    """`_MMA_SIGNATURE` with the TMA descriptors of a staged launch: weight-word boxes [64 rows,
+    a quad's field words] (16 words at K = 4, 5, 8 at K = 2, 3), 1-bit-word and scale boxes
+    [64, 4]."""
+    from triton.experimental.gluon import language as gl
+
+    slot = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    mw = 16 if bits >= 4 else 8
+    return {**_MMA_SIGNATURE, "w_desc": f"tensordesc<i32[64, {mw}],{slot!r}>",
+            "o_desc": f"tensordesc<i32[64, 4],{slot!r}>",
+            "s_desc": f"tensordesc<i32[64, 4],{slot!r}>"}  # fmt: skip
 
 
 @pytest.mark.parametrize("bits,tm,copies,mxfp4,wk,act,late", [
@@ -369,15 +374,10 @@ def test_mma_kernel_tma_staging_compiles_for_sm90_without_a_gpu(bits, grouped, s
     their own, and no global load of a scale is left in the loop (only x's)."""
     pytest.importorskip("triton")
     from aot import compile_for_sm90
-    from triton.experimental.gluon import language as gl
 
     from quantfw.kernels.kbit.triton import mma as KM
 
-    slot = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    mw = 16 if bits >= 4 else 8
-    signature = {**_MMA_SIGNATURE, "w_desc": f"tensordesc<i32[64, {mw}],{slot!r}>",
-                 "o_desc": f"tensordesc<i32[64, 4],{slot!r}>",
-                 "s_desc": f"tensordesc<i32[64, 4],{slot!r}>"}  # fmt: skip
+    signature = _mma_tma_signature(bits)
     copies = {2: 16, 3: 32, 4: 32, 5: 8}[bits]  # the defaults
     table = {2: 32768, 3: 16384, 4: 32768, 5: 32768}[bits]  # K = 3: 64 entries padded to 128
     consts = dict(W=4, CH=4, TM=8, SPLIT=1 if grouped else 2, COPIES=copies, BITS=bits, PIPE=False,

@@ -4,9 +4,7 @@ kernel against the float64 reference on a GPU (marked ``gpu``)."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 
 import pytest
 import torch
@@ -77,7 +75,7 @@ def test_codebook_decode_rejects_what_it_cannot_decode():
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_wgmma_kernel_with_the_codebook_compiles_for_sm90_without_a_gpu(bits, dtype, tmp_path):
+def test_wgmma_kernel_with_the_codebook_compiles_for_sm90_without_a_gpu(bits, dtype):
     """The dense launch with the codebook decode through Triton's bundled ptxas: per word of 8
     fields, K = 4: two mask, eight lookup and four pairing ``prmt`` plus the scale's and four
     ``lop3``; K = 5: four mask, sixteen lookup and four pairing ``prmt`` plus the scale's and
@@ -85,7 +83,7 @@ def test_wgmma_kernel_with_the_codebook_compiles_for_sm90_without_a_gpu(bits, dt
     packed FMAs; at K = 3, 5 a second TMA copy a stage (the 1-bit words); the levels are
     immediates (no memory read for a lookup); the decoded A never staged through shared memory
     (every shared store after the last wgmma); no spills."""
-    from aot import compile_for_sm90
+    from aot import compile_for_sm90, resource_usage
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
     from triton.experimental.gluon import language as gl
@@ -129,11 +127,7 @@ def test_wgmma_kernel_with_the_codebook_compiles_for_sm90_without_a_gpu(bits, dt
     assert "ld.local" not in ptx and "shfl" not in ptx
     assert ptx.rindex("wgmma.mma_async") < ptx.index("st.shared")
     assert all(f"{t:#x}," in ptx for t in table)
-    cubin = tmp_path / "kernel.cubin"
-    cubin.write_bytes(kernel.asm["cubin"])
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    usage = subprocess.run([tool, "--dump-resource-usage", str(cubin)], capture_output=True,
-                           text=True, check=True).stdout  # fmt: skip
+    usage = resource_usage(kernel)
     assert re.search(r"REG:\d+ STACK:0 ", usage) and "LOCAL:0 " in usage, usage
 
 

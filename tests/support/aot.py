@@ -29,3 +29,22 @@ def compile_for_sm90(
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     src = source(fn=fn, signature=sig, constexprs=values, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def resource_usage(kernel: Any) -> str:
+    """cuobjdump's resource line of a compiled kernel's cubin (``REG:.. STACK:.. SHARED:..
+    LOCAL:..``), through the tool bundled with Triton."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "kernel.cubin")
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        done = subprocess.run([tool, "--dump-resource-usage", cubin], capture_output=True,
+                              text=True, check=True)  # fmt: skip
+    return done.stdout

@@ -43,6 +43,7 @@ def variants() -> list[tuple[str, int, dict]]:
                 IS_BF16=False, UE8M0=False, GROUPED=False, GATHER=False, PDL=True, WK=4,
                 LATE_RELEASE=False)  # fmt: skip
     from quantfw.kernels.kbit import configs
+    from quantfw.kernels.kbit.triton import mma as KM
 
     out = []
     for bits in (2, 3, 4, 5):
@@ -57,7 +58,7 @@ def variants() -> list[tuple[str, int, dict]]:
     for bits in (2, 4):  # the 16-token tile, unstaged and where `mma.staged_tile16` stages it
         copies = configs.default_config(16, 0, 0, bits)[4]
         tile16 = {**base, "TM": 16, "SPLIT": 2, "ACT": 0, "COPIES": copies, "BITS": bits,
-                  "TMA": False}  # fmt: skip
+                  "TMA": False, "PAIR": KM.pairs_columns(bits, 16)}  # fmt: skip
         out.append((f"kbit K={bits} 16-token split K", bits, tile16))
         staged = {**tile16, "TMA": True, "MAXNREG": 168}
         out.append((f"kbit K={bits} 16-token staged", bits, staged))

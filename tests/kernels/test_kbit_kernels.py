@@ -116,8 +116,8 @@ def test_staged_tile16_rule():
 
 @pytest.mark.parametrize("bits,act", [(4, 0), (4, 1), (2, 0), (2, 1)])
 def test_staged_tile16_fits_three_ctas_an_sm_without_a_gpu(bits, act):
-    """The staged 16-token tile (`staged_tile16`) compiled for sm_90 with its register cap:
-    at most `TILE16_STAGED_MAXNREG` registers (3 CTAs of 4 warps an SM) and a small spill (the
+    """The staged 16-token tile (`staged_tile16`, K = 2's columns paired as `pairs_columns`
+    launches them) compiled for sm_90 with its register cap: at most `TILE16_STAGED_MAXNREG` registers (3 CTAs of 4 warps an SM) and a small spill (the
     cap measured 32-56 bytes of stack; much more would cost the loop its speed), both the
     split-K launch and gate_up's gated epilogue."""
     pytest.importorskip("triton")
@@ -128,10 +128,34 @@ def test_staged_tile16_fits_three_ctas_an_sm_without_a_gpu(bits, act):
     consts = dict(W=4, CH=4, TM=16, SPLIT=2 - act, COPIES={2: 16, 4: 32}[bits], BITS=bits,
                   PIPE=False, MASK_N=False, MASK_K=False, HAS_BIAS=False, IS_BF16=False,
                   UE8M0=False, GROUPED=False, GATHER=False, PDL=True, WK=4, ACT=act,
-                  LATE_RELEASE=False, TMA=True, S_TMA=True)  # fmt: skip
+                  LATE_RELEASE=False, TMA=True, S_TMA=True,
+                  PAIR=KM.pairs_columns(bits, 16))  # fmt: skip
     kernel = compile_for_sm90(KM.kbit_mma_kernel, _mma_tma_signature(bits), consts, _MMA_ALIGNED,
                               num_warps=4, launch_pdl=True,
                               maxnreg=KM.TILE16_STAGED_MAXNREG)  # fmt: skip
+    usage = resource_usage(kernel)
+    regs, stack = (int(v) for v in re.search(r"REG:(\d+) STACK:(\d+) ", usage).groups())
+    assert regs <= KM.TILE16_STAGED_MAXNREG and stack <= 64, usage
+    assert 3 * kernel.metadata.shared <= 228 * 1024
+
+
+def test_grouped_staged_tile16_fits_three_ctas_an_sm_without_a_gpu():
+    """MXFP4's grouped 16-row blocks as `grouped_gemm.LUT16_STAGED_OPTIONS` launch them on
+    sm_90 (GPT-OSS's W13: bf16, UE8M0, gathered rows, bias, SwiGLU in the epilogue; weights
+    staged by TMA, scales loaded): within the cap and a small spill, 3 CTAs an SM."""
+    pytest.importorskip("triton")
+    from aot import compile_for_sm90, resource_usage
+
+    from quantfw.kernels.kbit.triton import mma as KM
+    from quantfw.kernels.mxfp4.triton.grouped_gemm import LUT16_STAGED_OPTIONS
+
+    consts = dict(W=4, CH=4, TM=16, SPLIT=1, COPIES=32, BITS=4, PIPE=False, MASK_N=False,
+                  MASK_K=True, HAS_BIAS=True, IS_BF16=True, UE8M0=True, GROUPED=True,
+                  GATHER=True, PDL=True, WK=4, ACT=2, LATE_RELEASE=False, TMA=True,
+                  S_TMA=False)  # fmt: skip
+    sig = {**_mma_tma_signature(4), "bias_ptr": "*bf16", "out_ptr": "*bf16"}
+    kernel = compile_for_sm90(KM.kbit_mma_kernel, sig, consts, _MMA_ALIGNED, num_warps=4,
+                              launch_pdl=True, maxnreg=LUT16_STAGED_OPTIONS["maxnreg"])  # fmt: skip
     usage = resource_usage(kernel)
     regs, stack = (int(v) for v in re.search(r"REG:(\d+) STACK:(\d+) ", usage).groups())
     assert regs <= KM.TILE16_STAGED_MAXNREG and stack <= 64, usage
@@ -516,9 +540,11 @@ def test_mma_plan_covers_every_chunk_once(blocks, kbp, tiles, warps, wk, chunk):
         KM.plan(blocks, kbp, tiles, sms, 4, 3, chunk, ctas_per_sm)
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+@pytest.mark.parametrize(
+    "bits, paired", [(2, False), (2, True), (3, False), (4, False), (5, False)]
+)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_mma_lookup_math_on_cpu(bits, dtype):
+def test_mma_lookup_math_on_cpu(bits, paired, dtype):
     """The mma kernel's decode on the CPU through the PTX it runs (`ptx_exec`): lane 4g + c of
     columns g and g + 8 takes its word of 4 blocks at the kernel's address (K = 4, 5: field
     word c; K = 2, 3: word c // 2, K = 3's shifted right by 16 (c % 2); K = 3, 5 also the
@@ -526,10 +552,11 @@ def test_mma_lookup_math_on_cpu(bits, dtype):
     shared memory as the kernel fills it (copy lane % copies); register p = 2 h + e holds
     elements 8c + 4v + 2e, + 1 of column g + 8h, and the E4M4 byte shifted left by 6 is the
     fp16 absmax / 16. The weight rebuilt from the A registers is the reference's (levels
-    rounded to `dtype` once)."""
+    rounded to `dtype` once). ``paired``: K = 2's words through `pair_columns`' PTX first, as
+    16-token tiles take them."""
     import ptx_exec
 
-    from quantfw.kernels.kbit.triton.mma import _lookup_asm, lookup_table
+    from quantfw.kernels.kbit.triton.mma import PAIR_COLUMNS_ASM, _lookup_asm, lookup_table
 
     N, K = 24, 256
     planes, absmax, cb, ref = random_weight(N, K, bits, seed=bits + 11)
@@ -557,6 +584,8 @@ def test_mma_lookup_math_on_cpu(bits, dtype):
         if bits == 3:
             words = words >> (16 * (c % 2))
         w0, w1 = words[cols_g], words[cols_g + 8]
+        if paired:
+            w0, w1 = ptx_exec.run(PAIR_COLUMNS_ASM.value, {2: w0, 3: w1}, 2)
         lane = 4 * (cols_g % 16) + c
         base = ((lane % copies) * 4 * ew)[:, None].expand(-1, kbp)
         ops = {
@@ -570,7 +599,7 @@ def test_mma_lookup_math_on_cpu(bits, dtype):
             ones = quad_word(bits - 1) >> (8 * c)
             ops.update({12: ones[cols_g], 16: ones[cols_g + 8]})
         for v in range(2):
-            regs = ptx_exec.run(_lookup_asm(bits, 0, v, copies), ops, 4, shared)
+            regs = ptx_exec.run(_lookup_asm(bits, 0, v, copies, paired), ops, 4, shared)
             for p, reg in enumerate(regs):
                 half = torch.stack([reg & 0xFFFF, reg >> 16], -1)
                 vals = half.to(torch.int16).view(dtype).float()  # 16 * level

@@ -150,6 +150,15 @@ def test_default_config_by_rows_per_expert():
         return default_config(4 * tokens, 32, 5760, 2880, **kw)
 
     assert cfg(1)["LUT"] and cfg(16, hopper=True)["LUT"] and not cfg(1, mxfp4=False).get("LUT")
+    # 9-16 rows an expert: 16-row blocks, staged under kbit's register cap on sm_90 when
+    # grouped (a dense MXFP4 linear, one group, keeps the unstaged tile)
+    from quantfw.kernels.kbit.triton.mma import TILE16_STAGED_MAXNREG
+
+    assert [cfg(t)["BLOCK_M"] for t in (64, 65, 128)] == [8, 16, 16]
+    assert not cfg(128).get("stage_by_tma") and not cfg(64, hopper=True).get("stage_by_tma")
+    staged = cfg(128, hopper=True)
+    assert staged["stage_by_tma"] and staged["maxnreg"] == TILE16_STAGED_MAXNREG
+    assert not default_config(16, 1, 5760, 2880, hopper=True).get("stage_by_tma")
     small = {"BLOCK_M": 64, "WGMMA": True, "stages": 4}
     assert cfg(256, hopper=True) == cfg(512, hopper=True) == small
     for tokens, chunk in ((1024, 64), (2048, 64), (4096, 256), (8192, 256)):
@@ -272,6 +281,9 @@ def test_gpu_moe_matches_reference(dtype, quantized, i):
         dict(BLOCK_M=8, LUT=True, copies=32, ctas_per_sm=3, chunk=4),
         dict(BLOCK_M=8, LUT=True, copies=1, ctas_per_sm=4, chunk=8, pipe=True),
         dict(BLOCK_M=16, LUT=True, copies=16, ctas_per_sm=2, chunk=4),
+        dict(
+            BLOCK_M=16, LUT=True, copies=32, ctas_per_sm=3, chunk=4, stage_by_tma=True, maxnreg=168
+        ),
         dict(BLOCK_M=64, WGMMA=True, stages=4),
         dict(BLOCK_M=128, WGMMA=True, stages=3),
         dict(BLOCK_M=256, WGMMA=True, stages=3),
@@ -285,11 +297,11 @@ def test_gpu_configs_agree(config):
     kernel's 128-column tiles end inside an expert's padding, W13 runs an odd quad, and with
     chunks the token rows past an expert's end are skipped: about 50 rows an expert)."""
     pytest.importorskip("triton")
-    if config.get("WGMMA"):
+    if config.get("WGMMA") or config.get("stage_by_tma"):
         from quantfw.kernels.common import is_sm90
 
         if not is_sm90(torch.device("cuda")):
-            pytest.skip("the wgmma kernel needs sm_90")
+            pytest.skip("the wgmma kernel and TMA staging need sm_90")
     case, ref = _moe_case(200, 8, 288, 224, 2, torch.bfloat16, True, seed=3)
     err = ((_run(case, config).float() - ref).abs().max() / ref.abs().max()).item()
     assert err <= 2e-2

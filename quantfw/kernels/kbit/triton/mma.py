@@ -18,7 +18,11 @@ every byte it reads is used:
 
 * K = 4: byte ``2v`` of word c (elements ``8c + 4v``, ``+1``) is A register (k 2c), byte
   ``2v + 1`` register (k 2c + 8).
-* K = 2: byte ``2 (c % 2) + v`` of word ``c // 2`` holds the 4 elements: both registers.
+* K = 2: byte ``2 (c % 2) + v`` of word ``c // 2`` holds the 4 elements: both registers. In
+  16-token tiles `pair_columns` first puts the low nibbles of columns g's and g + 8's bytes
+  in one byte and the high nibbles in another, so that each 8-byte entry is A register (k 2c)
+  or (k 2c + 8) of both columns, side by side as the mma takes them (an entry per column
+  needs register moves).
 * K = 5: as K = 4, with the two elements' 1-bit fields as index bits 8, 9; K = 3: the nibble
   of the two 2-bit fields (of K = 2's byte), the 1-bit fields as index bits 4, 5.
 
@@ -105,18 +109,21 @@ def _table_entries(bits: int) -> int:
 
 
 @constexpr_function
-def _lookup_asm(bits: int, r: int, v: int, copies: int) -> str:
+def _lookup_asm(bits: int, r: int, v: int, copies: int, paired: bool = False) -> str:
     """PTX: A registers $0..$3 of block ``r`` (of the bundles) and step ``v`` for the columns
     g (field-word bundle $4..$7, 1-bit-word bundle $12..$15) and g + 8 ($8..$11, $16..$19);
     $20: the lane's table base address, $24, $25 (K = 2): its byte selectors of steps 0 and 1.
-    Register p = 2 h + e holds elements ``8c + 4v + 2e``, ``+ 1`` of column g + 8h."""
+    Register p = 2 h + e holds elements ``8c + 4v + 2e``, ``+ 1`` of column g + 8h.  With
+    ``paired`` (K = 2) the bundles are `pair_columns`' (e = 0: $4..$7, e = 1: $8..$11): an
+    8-byte entry fills registers e and 2 + e."""
     stride = 4 * copies * (2 if bits == 2 else 1)  # bytes per table entry, all copies
     load = f"mad.lo.u32 t, t, {stride}, $20; ld.shared.b32"
-    if bits == 2:  # registers 0, 1 (column g) and 2, 3 (g + 8): one 8-byte entry each
+    if bits == 2:  # per entry: registers (2h, 2h + 1), or paired (e, 2 + e)
+        dests = [(e, 2 + e) if paired else (2 * e, 2 * e + 1) for e in range(2)]
         out = [
-            f"prmt.b32 t, ${4 * (h + 1) + r}, 0, ${24 + v}; mad.lo.u32 t, t, {stride}, $20;"
-            f" ld.shared.v2.b32 {{${2 * h}, ${2 * h + 1}}}, [t];"
-            for h in range(2)
+            f"prmt.b32 t, ${4 * (e + 1) + r}, 0, ${24 + v}; mad.lo.u32 t, t, {stride}, $20;"
+            f" ld.shared.v2.b32 {{${a}, ${b}}}, [t];"
+            for e, (a, b) in enumerate(dests)
         ]
     elif bits == 4:  # the byte 2v + e of the word
         out = [
@@ -176,12 +183,32 @@ _BASE_ASM = gl.constexpr("{ .reg .b32 b; mov.u32 b, global_smem; add.u32 $0, $1,
 @gluon.jit
 def _lookup(
     w0, w1, h0, h1, lb, sel, R: gl.constexpr, V: gl.constexpr, BITS: gl.constexpr,
-    COPIES: gl.constexpr,
+    COPIES: gl.constexpr, PAIR: gl.constexpr,
 ):  # fmt: skip
-    asm: gl.constexpr = _lookup_asm(BITS, R, V, COPIES)
+    asm: gl.constexpr = _lookup_asm(BITS, R, V, COPIES, PAIR)
     return gl.inline_asm_elementwise(
         asm, _LOOKUP_CONSTRAINTS, [w0, w1, h0, h1, lb, sel], dtype=gl.int32, is_pure=True,
         pack=4,
+    )  # fmt: skip
+
+
+#: PTX of `pair_columns`: lop3 0xE4 is (a & c) | (b & ~c)
+PAIR_COLUMNS_ASM = gl.constexpr(
+    "{ .reg .b32 t; shl.b32 t, $3, 4; lop3.b32 $0, $2, t, 0x0F0F0F0F, 0xE4;\n"
+    "shr.u32 t, $2, 4; lop3.b32 $1, t, $3, 0x0F0F0F0F, 0xE4; }"
+)
+
+
+@gluon.jit
+def pair_columns(w0, w1):
+    """K = 2's lookup bytes from the field words of columns g (``w0``) and g + 8 (``w1``):
+    byte k of the first holds the low nibbles of the two words' bytes k (their first two
+    elements' fields, column g's as the low nibble), byte k of the second their high nibbles,
+    so that one table entry (`lookup_table`: a byte's four fields in order) is the same A
+    register of both columns. Two instructions a word (a shift and a `lop3`)."""
+    return gl.inline_asm_elementwise(
+        PAIR_COLUMNS_ASM, "=r,=r,r,r", [w0, w1], dtype=(gl.int32, gl.int32), is_pure=True,
+        pack=1,
     )  # fmt: skip
 
 
@@ -256,10 +283,10 @@ def _load_chunk(
 def _chunk(
     ws, xs, ss, accs, lb, sel, W: gl.constexpr, L3: gl.constexpr, CH: gl.constexpr,
     TM: gl.constexpr, BITS: gl.constexpr, COPIES: gl.constexpr, IS_BF16: gl.constexpr,
-    UE8M0: gl.constexpr,
+    UE8M0: gl.constexpr, PAIR: gl.constexpr,
 ):  # fmt: skip
     """The CH blocks of a chunk: per block and word j, two mma steps into a fresh partial sum,
-    then acc += scale * partial."""
+    then acc += scale * partial (``PAIR``: K = 2's words through `pair_columns` first)."""
     NH: gl.constexpr = TM // 8
     NW: gl.constexpr = 16 if BITS % 2 == 1 else 8  # weight bundles per 4 blocks
     for rr in gl.static_range(CH):
@@ -270,8 +297,10 @@ def _chunk(
             w1 = ws[NW * (rr // SCALE_BLOCKS) + 2 * j + 1]
             h0 = ws[NW * (rr // SCALE_BLOCKS) + (NW - 8) + 2 * j]  # K = 2, 4: unused
             h1 = ws[NW * (rr // SCALE_BLOCKS) + (NW - 8) + 2 * j + 1]
+            if PAIR:
+                w0, w1 = pair_columns(w0, w1)
             for v in gl.static_range(2):
-                a = _lookup(w0, w1, h0, h1, lb, sel, rr % SCALE_BLOCKS, v, BITS, COPIES)
+                a = _lookup(w0, w1, h0, h1, lb, sel, rr % SCALE_BLOCKS, v, BITS, COPIES, PAIR)
                 if TM == 8:
                     part = _mma(xs[rr], a, part, v, TM, False, IS_BF16)
                 else:
@@ -506,6 +535,7 @@ def kbit_mma_kernel(
     LATE_RELEASE: gl.constexpr = False,  # PDL: let the next kernel launch once K is streamed
     TMA: gl.constexpr = False,  # weight words staged by TMA in a shared-memory slot
     S_TMA: gl.constexpr = False,  # with TMA, the scale words too (rows of 16-byte multiples)
+    PAIR: gl.constexpr = False,  # K = 2: columns g and g + 8 share lookups (`pair_columns`)
 ):
     L3: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32, 1], [W, 1, 1], [2, 1, 0])
     EW: gl.constexpr = 2 if BITS == 2 else 1  # table words per entry
@@ -635,7 +665,9 @@ def kbit_mma_kernel(
             )  # fmt: skip
             if S_TMA:
                 ss = sst
-            accs = _chunk(ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16, UE8M0)
+            accs = _chunk(
+                ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16, UE8M0, PAIR
+            )
             if not S_TMA:
                 ss = _load_scales(s_ptr, b_next, s_off, nb_ok, KBP, KBS, MASK_K)
             xs = _load_x(x_ptr, b_next, x_off, x_pair, K2, CH, TM)
@@ -644,12 +676,16 @@ def kbit_mma_kernel(
                 q_ptr, x_ptr, s_ptr, b_next, q_off, h_off, c, x_off, x_pair, s_off, nb_ok,
                 KBP, KBS, K2, CH, TM, BITS, MASK_K,
             )  # fmt: skip
-            accs = _chunk(ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16, UE8M0)
+            accs = _chunk(
+                ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16, UE8M0, PAIR
+            )
             ws = nws
             xs = nxs
             ss = nss
         else:
-            accs = _chunk(ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16, UE8M0)
+            accs = _chunk(
+                ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16, UE8M0, PAIR
+            )
             ws, xs, ss = _load_chunk(
                 q_ptr, x_ptr, s_ptr, b_next, q_off, h_off, c, x_off, x_pair, s_off, nb_ok,
                 KBP, KBS, K2, CH, TM, BITS, MASK_K,
@@ -662,7 +698,7 @@ def kbit_mma_kernel(
         if S_TMA:
             ss = sst
         mbarrier.invalidate(bar)  # its bytes may be reused by the sums below
-    accs = _chunk(ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16, UE8M0)
+    accs = _chunk(ws, xs, ss, accs, lb, sel, W, L3, CH, TM, BITS, COPIES, IS_BF16, UE8M0, PAIR)
     if LATE_RELEASE:
         pdl.release(PDL)
 
@@ -785,6 +821,17 @@ TILE16_STAGED_MAXNREG = 168
 STAGED_TILE16_BITS = (2, 4)
 
 
+#: token tiles in which K = 2's lookups serve columns g and g + 8 together (`pair_columns`):
+#: 16-token tiles (a chunk's loop 921 -> 754 instructions staged, benchmarks/kbit-lab-log.md
+#: §34); at one token the same lost 4% end to end (§25)
+PAIRED_TILES = (16,)
+
+
+def pairs_columns(bits: int, tm: int) -> bool:
+    """Whether a launch of ``tm``-token tiles at K = ``bits`` pairs columns (`pair_columns`)."""
+    return bits == 2 and tm in PAIRED_TILES
+
+
 def _wave_fill(
     blocks: int, kbp: int, token_tiles: int, sms: int, warps: int, wk: int, chunk: int, per_sm: int
 ) -> float:
@@ -901,7 +948,7 @@ def _launch(
         HAS_BIAS=has_bias, IS_BF16=x2.dtype == torch.bfloat16, UE8M0=ue8m0,
         GROUPED=grouped, GATHER=gather is not None,
         ACT=_ACT_CODES[fn.kind] if fuse else 0, num_warps=warps, TMA=stage_by_tma,
-        S_TMA=stage_scales,
+        S_TMA=stage_scales, PAIR=pairs_columns(bits, tm),
         LATE_RELEASE=fuse and not grouped and tiles > ctas_per_sm * sms,
         **pdl.launch_options(pdl.enabled(x2.device)),
         **({} if maxnreg is None else {"maxnreg": maxnreg}),

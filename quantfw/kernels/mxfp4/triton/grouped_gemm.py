@@ -182,6 +182,10 @@ WGMMA_WHOLE_ROWS_PER_EXPERT = 512
 WIDE_MIN_ROWS_PER_EXPERT = 512
 #: the lookup mma kernel's options (`kbit.triton.mma.kbit_mma_matmul`) at decode
 LUT_OPTIONS = {"copies": 32, "ctas_per_sm": 3, "chunk": 4}
+#: sm_90, grouped 16-row blocks: weights staged by TMA under kbit's 16-token register cap
+#: (`kbit.triton.mma.TILE16_STAGED_MAXNREG`), so that the 3 CTAs an SM of `LUT_OPTIONS` fit
+#: (unstaged the tile takes 222 registers, 2 an SM): benchmarks/mxfp4-lab-log.md §32
+LUT16_STAGED_OPTIONS = {"stage_by_tma": True, "maxnreg": 168}
 
 
 def default_config(
@@ -196,13 +200,17 @@ def default_config(
     """A kernel configuration for `rows` sorted rows of `dtype` over `num_experts` experts of
     [n, k] (picked by rows per expert from the H200 measurements in benchmarks/results/mxfp4/;
     `benchmarks/bench_mxfp4.py --sweep` times others). ``LUT``: the lookup mma kernel (MXFP4,
-    fp16/bf16), row blocks of 8 or 16; ``WGMMA``: the Hopper kernel of `triton.wgmma` (MXFP4,
-    bf16, sm_90); ``DEQUANT``: MXFP4 experts are dequantized, then the dense kernel runs.
-    `hopper`: the device is sm_90."""
+    fp16/bf16), row blocks of 8 or 16 (grouped 16-row blocks staged on sm_90:
+    `LUT16_STAGED_OPTIONS`); ``WGMMA``: the Hopper kernel of `triton.wgmma` (MXFP4, bf16,
+    sm_90); ``DEQUANT``: MXFP4 experts are dequantized, then the dense kernel runs. `hopper`:
+    the device is sm_90."""
     per_expert = rows / max(1, min(rows, num_experts))
     lut = mxfp4 and dtype in (torch.float16, torch.bfloat16)
+    if lut and per_expert <= 8:
+        return {"BLOCK_M": 8, "LUT": True, **LUT_OPTIONS}
     if lut and per_expert <= LUT_MAX_ROWS_PER_EXPERT:
-        return {"BLOCK_M": 8 if per_expert <= 8 else 16, "LUT": True, **LUT_OPTIONS}
+        staged = LUT16_STAGED_OPTIONS if hopper and num_experts > 1 else {}
+        return {"BLOCK_M": 16, "LUT": True, **LUT_OPTIONS, **staged}
     if hopper and mxfp4 and dtype == torch.bfloat16:
         # past the lookup kernel on sm_90: the wgmma kernel (H100, GPT-OSS-20B's experts,
         # benchmarks/mxfp4-lab-log.md §16-17): 64-token tiles below 128 rows per expert, then

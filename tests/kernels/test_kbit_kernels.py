@@ -116,10 +116,11 @@ def test_staged_tile16_rule():
 
 @pytest.mark.parametrize("bits,act", [(4, 0), (4, 1), (2, 0), (2, 1)])
 def test_staged_tile16_fits_three_ctas_an_sm_without_a_gpu(bits, act):
-    """The staged 16-token tile (`staged_tile16`, K = 2's columns paired as `pairs_columns`
-    launches them) compiled for sm_90 with its register cap: at most `TILE16_STAGED_MAXNREG` registers (3 CTAs of 4 warps an SM) and a small spill (the
-    cap measured 32-56 bytes of stack; much more would cost the loop its speed), both the
-    split-K launch and gate_up's gated epilogue."""
+    """The staged 16-token tile (`staged_tile16`; K = 2's columns paired, as `pairs_columns`
+    launches it) compiled for sm_90 with its register cap: at most `TILE16_STAGED_MAXNREG`
+    registers (3 CTAs of 4 warps an SM) and a small spill (the cap measured 32-56 bytes of
+    stack; much more would cost the loop its speed), both the split-K launch and gate_up's
+    gated epilogue."""
     pytest.importorskip("triton")
     from aot import compile_for_sm90, resource_usage
 

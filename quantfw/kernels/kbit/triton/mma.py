@@ -118,12 +118,12 @@ def _lookup_asm(bits: int, r: int, v: int, copies: int, paired: bool = False) ->
     8-byte entry fills registers e and 2 + e."""
     stride = 4 * copies * (2 if bits == 2 else 1)  # bytes per table entry, all copies
     load = f"mad.lo.u32 t, t, {stride}, $20; ld.shared.b32"
-    if bits == 2:  # per entry: registers (2h, 2h + 1), or paired (e, 2 + e)
-        dests = [(e, 2 + e) if paired else (2 * e, 2 * e + 1) for e in range(2)]
+    if bits == 2:  # entry i from bundle i: registers 2i, 2i + 1 (column g + 8i), or i, 2 + i
+        dests = [(i, 2 + i) if paired else (2 * i, 2 * i + 1) for i in range(2)]
         out = [
-            f"prmt.b32 t, ${4 * (e + 1) + r}, 0, ${24 + v}; mad.lo.u32 t, t, {stride}, $20;"
+            f"prmt.b32 t, ${4 * (i + 1) + r}, 0, ${24 + v}; mad.lo.u32 t, t, {stride}, $20;"
             f" ld.shared.v2.b32 {{${a}, ${b}}}, [t];"
-            for e, (a, b) in enumerate(dests)
+            for i, (a, b) in enumerate(dests)
         ]
     elif bits == 4:  # the byte 2v + e of the word
         out = [

@@ -5,8 +5,9 @@ the bandwidth floor (weight bytes / measured copy bandwidth).
     python benchmarks/profile_decode.py --layers 36 --methods fp16,awq,kbit4 --batch-sizes 1,16
     QUANTFW_PDL=0 python benchmarks/profile_decode.py --methods fp16,kbit4 --profile-batch 16
 
-(The kernel profile is of ``--profile-batch`` sequences. With programmatic dependent launch on, a
-kernel's time includes its wait for the previous one: profile with ``QUANTFW_PDL=0``.)
+(The kernel profile is of ``--profile-batch`` sequences of ``--decode-context`` prompt tokens
+each. With programmatic dependent launch on, a kernel's time includes its wait for the previous
+one: profile with ``QUANTFW_PDL=0``.)
 """
 
 from __future__ import annotations
@@ -100,6 +101,12 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def _all_decoding(engine) -> bool:
+    """Every request is running and its next step decodes one token (its prompt is done)."""
+    sched = engine.scheduler
+    return not sched.waiting and all(s.num_uncomputed == 1 for s in sched.running)
+
+
 def decode_rate(engine, batch: int, prompt_len: int, new_tokens: int) -> float:
     from quantfw.engine import SamplingParams
 
@@ -109,9 +116,7 @@ def decode_rate(engine, batch: int, prompt_len: int, new_tokens: int) -> float:
         engine.add_request(torch.randint(10, 150000, (prompt_len,), generator=g).tolist(), params)
     tokens, elapsed = 0, 0.0
     while engine.has_unfinished():
-        decoding = not engine.scheduler.waiting and all(
-            s.num_uncomputed == 1 for s in engine.scheduler.running
-        )
+        decoding = _all_decoding(engine)
         n = len(engine.scheduler.running)
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -141,9 +146,10 @@ def prefill_ms(engine, prompt_len: int) -> float:
 
 
 def profiled_decode(engine, batch: int, steps: int, prompts: list[list[int]] | None = None):
-    """torch.profiler (CUDA activity) of `steps` decode steps of a batch, after its prefill and
-    a few decode steps; every sequence's prompt is tokens 100..227 unless `prompts` (one per
-    sequence) are given. The requests run to their end afterwards."""
+    """torch.profiler (CUDA activity) of `steps` decode steps of a batch, after its prefill (in
+    as many chunks as the scheduler takes) and a few decode steps; every sequence's prompt is
+    tokens 100..227 unless `prompts` (one per sequence) are given. The requests run to their
+    end afterwards."""
     from torch.profiler import ProfilerActivity, profile
 
     from quantfw.engine import SamplingParams
@@ -151,7 +157,9 @@ def profiled_decode(engine, batch: int, steps: int, prompts: list[list[int]] | N
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
     for i in range(batch):
         engine.add_request(prompts[i] if prompts else list(range(100, 228)), params)
-    for _ in range(4):  # prefill and a few decode steps
+    while not _all_decoding(engine):  # the prefill
+        engine.step()
+    for _ in range(3):  # a few decode steps
         engine.step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -219,6 +227,9 @@ def main() -> None:
         "--decode-window", type=int, default=1, help="1: the kernel profile is per decode step"
     )
     ap.add_argument("--profile-batch", type=int, default=1, help="batch of the kernel profile")
+    ap.add_argument(
+        "--decode-context", type=int, default=128, help="prompt tokens of each decode sequence"
+    )
     args = ap.parse_args()
     from quantfw.engine import LLMEngine
 
@@ -252,7 +263,7 @@ def main() -> None:
                        "weight_gib": wb / 2**30, "floor_tok_s": floor}  # fmt: skip
                 for b in [int(x) for x in args.batch_sizes.split(",")]:
                     decode_rate(engine, b, 16, 8)  # warm-up
-                    rate = decode_rate(engine, b, 128, 64)
+                    rate = decode_rate(engine, b, args.decode_context, 64)
                     row[f"decode_bs{b}"] = rate
                     print(
                         f"{method} max_len={max_len} bs={b}: {rate:.1f} tok/s"
@@ -266,7 +277,9 @@ def main() -> None:
                         flush=True,
                     )
                     pb = args.profile_batch
-                    prof = row[f"profile_bs{pb}"] = profile_steps(engine, pb)
+                    ctx = args.decode_context
+                    prompts = [[100 + (i + t) % 50000 for t in range(ctx)] for i in range(pb)]
+                    prof = row[f"profile_bs{pb}"] = profile_steps(engine, pb, prompts=prompts)
                     kinds = sorted(prof["by_kind_us"].items(), key=lambda kv: -kv[1])
                     total = sum(v for _, v in kinds)
                     print(f"{method} bs{pb} GPU us/step {total:.0f}: " + ", ".join(

@@ -5,8 +5,8 @@ the bandwidth floor (weight bytes / measured copy bandwidth).
     python benchmarks/profile_decode.py --layers 36 --methods fp16,awq,kbit4 --batch-sizes 1,16
     QUANTFW_PDL=0 python benchmarks/profile_decode.py --methods fp16,kbit4 --profile-batch 16
 
-(The kernel profile is of ``--profile-batch`` sequences of ``--decode-context`` prompt tokens
-each. With programmatic dependent launch on, a kernel's time includes its wait for the previous
+(The kernel and host profiles are of ``--profile-batch`` sequences of ``--decode-context``
+prompt tokens each. With programmatic dependent launch on, a kernel's time includes its wait for the previous
 one: profile with ``QUANTFW_PDL=0``.)
 """
 
@@ -145,13 +145,10 @@ def prefill_ms(engine, prompt_len: int) -> float:
     return min(times)
 
 
-def profiled_decode(engine, batch: int, steps: int, prompts: list[list[int]] | None = None):
-    """torch.profiler (CUDA activity) of `steps` decode steps of a batch, after its prefill (in
-    as many chunks as the scheduler takes) and a few decode steps; every sequence's prompt is
-    tokens 100..227 unless `prompts` (one per sequence) are given. The requests run to their
-    end afterwards."""
-    from torch.profiler import ProfilerActivity, profile
-
+def _decoding_batch(engine, batch: int, steps: int, prompts: list[list[int]] | None) -> None:
+    """Starts `batch` greedy requests that outlive `steps` more steps, then steps through their
+    prefill (in as many chunks as the scheduler takes) and a few decode steps; every sequence's
+    prompt is tokens 100..227 unless `prompts` (one per sequence) are given."""
     from quantfw.engine import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
@@ -162,6 +159,14 @@ def profiled_decode(engine, batch: int, steps: int, prompts: list[list[int]] | N
     for _ in range(3):  # a few decode steps
         engine.step()
     torch.cuda.synchronize()
+
+
+def profiled_decode(engine, batch: int, steps: int, prompts: list[list[int]] | None = None):
+    """torch.profiler (CUDA activity) of `steps` decode steps of a batch (`_decoding_batch`).
+    The requests run to their end afterwards."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _decoding_batch(engine, batch, steps, prompts)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             engine.step()
@@ -188,19 +193,15 @@ def profile_steps(
     return {"by_kind_us": dict(by_kind), "top_kernels_us": dict(top)}
 
 
-def host_profile(engine, batch: int, steps: int = 50) -> None:
-    """cProfile of decode steps: where the host's time goes (the GPU wait shows in tolist)."""
+def host_profile(
+    engine, batch: int, steps: int = 50, prompts: list[list[int]] | None = None
+) -> None:
+    """cProfile of decode steps of a batch (`_decoding_batch`): where the host's time goes (the
+    GPU wait shows in tolist)."""
     import cProfile
     import pstats
 
-    from quantfw.engine import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request(list(range(100, 228)), params)
-    for _ in range(4):
-        engine.step()
-    torch.cuda.synchronize()
+    _decoding_batch(engine, batch, steps, prompts)
     prof = cProfile.Profile()
     start = time.perf_counter()
     prof.enable()
@@ -226,7 +227,9 @@ def main() -> None:
     ap.add_argument(
         "--decode-window", type=int, default=1, help="1: the kernel profile is per decode step"
     )
-    ap.add_argument("--profile-batch", type=int, default=1, help="batch of the kernel profile")
+    ap.add_argument(
+        "--profile-batch", type=int, default=1, help="batch of the kernel and host profiles"
+    )
     ap.add_argument(
         "--decode-context", type=int, default=128, help="prompt tokens of each decode sequence"
     )
@@ -287,7 +290,7 @@ def main() -> None:
                     for name, us in prof["top_kernels_us"].items():
                         print(f"    {us:8.1f} us  {name}", flush=True)
                     if args.host_profile:
-                        host_profile(engine, pb)
+                        host_profile(engine, pb, prompts=prompts)
                 report["runs"].append(row)
                 print(f"  (load {load_s:.1f} s, weights {wb / 2**30:.2f} GiB)", flush=True)
                 del engine

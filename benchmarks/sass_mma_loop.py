@@ -60,7 +60,7 @@ def variants() -> list[tuple[str, int, dict]]:
         tile16 = {**base, "TM": 16, "SPLIT": 2, "ACT": 0, "COPIES": copies, "BITS": bits,
                   "TMA": False, "PAIR": KM.pairs_columns(bits, 16)}  # fmt: skip
         out.append((f"kbit K={bits} 16-token split K", bits, tile16))
-        staged = {**tile16, "TMA": True, "MAXNREG": 168}
+        staged = {**tile16, "TMA": True, "MAXNREG": KM.TILE16_STAGED_MAXNREG}
         out.append((f"kbit K={bits} 16-token staged", bits, staged))
     return out
 

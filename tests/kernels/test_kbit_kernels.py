@@ -114,6 +114,19 @@ def test_staged_tile16_rule():
     assert round(KM._wave_fill(64, 128, 1, 132, 4, 4, 4, 3), 3) == 0.646  # 256 of 396
 
 
+def _assert_fits_three_ctas_an_sm(kernel) -> None:
+    """A capped 16-token tile's sm_90 compile: at most `TILE16_STAGED_MAXNREG` registers, at
+    most 64 bytes of stack, and shared memory for 3 CTAs an SM."""
+    from aot import resource_usage
+
+    from quantfw.kernels.kbit.triton import mma as KM
+
+    usage = resource_usage(kernel)
+    regs, stack = (int(v) for v in re.search(r"REG:(\d+) STACK:(\d+) ", usage).groups())
+    assert regs <= KM.TILE16_STAGED_MAXNREG and stack <= 64, usage
+    assert 3 * kernel.metadata.shared <= 228 * 1024
+
+
 @pytest.mark.parametrize("bits,act", [(4, 0), (4, 1), (2, 0), (2, 1)])
 def test_staged_tile16_fits_three_ctas_an_sm_without_a_gpu(bits, act):
     """The staged 16-token tile (`staged_tile16`; K = 2's columns paired, as `pairs_columns`
@@ -122,7 +135,7 @@ def test_staged_tile16_fits_three_ctas_an_sm_without_a_gpu(bits, act):
     stack; much more would cost the loop its speed), both the split-K launch and gate_up's
     gated epilogue."""
     pytest.importorskip("triton")
-    from aot import compile_for_sm90, resource_usage
+    from aot import compile_for_sm90
 
     from quantfw.kernels.kbit.triton import mma as KM
 
@@ -134,10 +147,7 @@ def test_staged_tile16_fits_three_ctas_an_sm_without_a_gpu(bits, act):
     kernel = compile_for_sm90(KM.kbit_mma_kernel, _mma_tma_signature(bits), consts, _MMA_ALIGNED,
                               num_warps=4, launch_pdl=True,
                               maxnreg=KM.TILE16_STAGED_MAXNREG)  # fmt: skip
-    usage = resource_usage(kernel)
-    regs, stack = (int(v) for v in re.search(r"REG:(\d+) STACK:(\d+) ", usage).groups())
-    assert regs <= KM.TILE16_STAGED_MAXNREG and stack <= 64, usage
-    assert 3 * kernel.metadata.shared <= 228 * 1024
+    _assert_fits_three_ctas_an_sm(kernel)
 
 
 def test_grouped_staged_tile16_fits_three_ctas_an_sm_without_a_gpu():
@@ -145,7 +155,7 @@ def test_grouped_staged_tile16_fits_three_ctas_an_sm_without_a_gpu():
     sm_90 (GPT-OSS's W13: bf16, UE8M0, gathered rows, bias, SwiGLU in the epilogue; weights
     staged by TMA, scales loaded): within the cap and a small spill, 3 CTAs an SM."""
     pytest.importorskip("triton")
-    from aot import compile_for_sm90, resource_usage
+    from aot import compile_for_sm90
 
     from quantfw.kernels.kbit.triton import mma as KM
     from quantfw.kernels.mxfp4.triton.grouped_gemm import LUT16_STAGED_OPTIONS
@@ -157,10 +167,7 @@ def test_grouped_staged_tile16_fits_three_ctas_an_sm_without_a_gpu():
     sig = {**_mma_tma_signature(4), "bias_ptr": "*bf16", "out_ptr": "*bf16"}
     kernel = compile_for_sm90(KM.kbit_mma_kernel, sig, consts, _MMA_ALIGNED, num_warps=4,
                               launch_pdl=True, maxnreg=LUT16_STAGED_OPTIONS["maxnreg"])  # fmt: skip
-    usage = resource_usage(kernel)
-    regs, stack = (int(v) for v in re.search(r"REG:(\d+) STACK:(\d+) ", usage).groups())
-    assert regs <= KM.TILE16_STAGED_MAXNREG and stack <= 64, usage
-    assert 3 * kernel.metadata.shared <= 228 * 1024
+    _assert_fits_three_ctas_an_sm(kernel)
 
 
 def test_configs_and_their_checks():

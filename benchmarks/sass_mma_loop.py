@@ -13,6 +13,17 @@ and 5 at the H200's bandwidth); below it the time is set by latency at the kerne
 fewer instructions need not help (benchmarks/kbit-lab-log.md §25: 7% fewer at K = 2 lost 4% end to
 end).
 
+Two pipes bound the loop before issue does, so their shares at the floor are given too:
+
+* integer: sm_90 runs 32-bit integer and logic instructions (`INT_OPS`: the lookups' PRMT, LOP3,
+  SHF, IMAD, ...) at 64 lanes a cycle an SM, two warp instructions a cycle against the four
+  schedulers' four (the CUDA C++ Programming Guide's throughput table), so a decode moved from
+  the table into registers costs twice its count (kbit-lab-log §35: +15% instructions, 0.68-0.82x);
+* shared memory: one wavefront (128 bytes) a cycle an SM; a warp's `LDS` of 4, 8 or 16 bytes a
+  lane takes 1, 2 or 4 wavefronts when conflict-free (the table's copies make it so), and
+  broadcasts (K = 2's lanes c and c + 1 read one word) do not save any. The TMA writes into the
+  slots (a quarter to half a wavefront a warp's LDS.128) are left out: the share is a floor.
+
     python benchmarks/sass_mma_loop.py                     # H200: 4.25 TB/s, 132 SMs, 1.98 GHz
     python benchmarks/sass_mma_loop.py --bandwidth 3.0     # H100 SXM
 """
@@ -34,6 +45,28 @@ sys.path[:0] = [
 ]
 
 WEIGHTS_PER_ITERATION = 4 * 32 * 64  # a warp's chunk: 4 blocks of 32 inputs x 64 columns
+#: opcodes that run on sm_90's 32-bit integer pipes (64 lanes a cycle an SM)
+INT_OPS = frozenset(
+    [
+        "IMAD",
+        "IADD3",
+        "LOP3",
+        "SHF",
+        "PRMT",
+        "LEA",
+        "ISETP",
+        "SGXT",
+        "VIMNMX",
+        "IMNMX",
+        "SEL",
+        "IABS",
+        "BMSK",
+        "FLO",
+        "POPC",
+    ]
+)
+#: shared-memory wavefronts of a conflict-free warp load, by width suffix
+LDS_WAVEFRONTS = {"": 1, ".U8": 1, ".S8": 1, ".U16": 1, ".S16": 1, ".64": 2, ".128": 4}
 
 
 def variants() -> list[tuple[str, int, dict]]:
@@ -122,6 +155,16 @@ def opcode(line: str) -> str:
     return m.group(1) if m else "?"
 
 
+def shared_wavefronts(body: list[str]) -> int:
+    """Wavefronts of the loop's shared-memory loads, each conflict-free (`LDS_WAVEFRONTS`)."""
+    total = 0
+    for line in body:
+        m = re.search(r"\bLDS((?:\.U8|\.S8|\.U16|\.S16|\.64|\.128)?)\b", line)
+        if m and opcode(line) == "LDS":
+            total += LDS_WAVEFRONTS[m.group(1)]
+    return total
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bandwidth", type=float, default=4.25, help="TB/s the weights stream at")
@@ -138,11 +181,17 @@ def main() -> int:
         assert ops["HMMA"] == 32 * consts["TM"] // 8, (name, ops["HMMA"])
         bytes_per_weight = bits / 8 + 1 / 32  # fields and one scale byte per block of 32
         weights_per_s = args.bandwidth * 1e12 / bytes_per_weight
-        share = weights_per_s / WEIGHTS_PER_ITERATION * len(body) / peak
+        per_s = weights_per_s / WEIGHTS_PER_ITERATION  # warp chunks a second
+        share = per_s * len(body) / peak
+        ints = sum(n for op, n in ops.items() if op in INT_OPS)
+        int_share = per_s * ints / (peak / 2)  # two integer warp instructions a cycle an SM
+        waves = shared_wavefronts(body)
+        lds_share = per_s * waves / (peak / 4)  # one wavefront a cycle an SM
         mix = ", ".join(f"{op} {n}" for op, n in ops.most_common(8))
         print(f"{name:28s} {regs:3d} regs {smem // 1024:3d} KB  loop {len(body):5d} instr "
               f"({len(body) * 32 / WEIGHTS_PER_ITERATION:.2f} a weight a thread)  issue share "
-              f"at the floor {share:.2f}  [{mix}]")  # fmt: skip
+              f"at the floor {share:.2f}, integer pipe {int_share:.2f} ({ints}), shared "
+              f"wavefronts {lds_share:.2f} ({waves})  [{mix}]")  # fmt: skip
     return 0
 
 

@@ -439,7 +439,9 @@ def test_sass_loop_probe_runs_without_a_gpu():
     default variant (one chunk of 32 `HMMA` a warp, 64 in the 16-token tile); K = 2 needs a
     larger share than K = 4 (half the bytes a weight, nearly as many instructions), K = 3 too,
     and the 16-token tile more than the 8-token one (its fold twice over), staged under its
-    register cap at 168 registers."""
+    register cap at 168 registers. The integer-pipe and shared-wavefront shares come with it:
+    K = 3's decode is integer-bound, and K = 2's table reads take twice K = 4's wavefronts a
+    byte of weights."""
     pytest.importorskip("triton")
     script = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "sass_mma_loop.py")
     done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
@@ -453,6 +455,17 @@ def test_sass_loop_probe_runs_without_a_gpu():
     assert 0.3 < share["kbit K=4 split K"] < share["kbit K=2 split K"]
     assert share["kbit K=3 split K"] > share["kbit K=4 split K"] and share["kbit K=5 split K"] > 0.5
     assert share["kbit K=4 16-token split K"] > share["kbit K=4 split K"]
+    pipes = {
+        name: (float(i), float(w))
+        for name, i, w in re.findall(
+            r"^(.+?)\s+\d+ regs.*integer pipe ([\d.]+) \(\d+\), shared wavefronts ([\d.]+)",
+            done.stdout,
+            re.M,
+        )
+    }
+    assert len(pipes) == 13, done.stdout
+    assert pipes["kbit K=3 split K"][0] > 1.5 * pipes["kbit K=3 split K"][1]
+    assert pipes["kbit K=2 split K"][1] > 1.5 * pipes["kbit K=4 split K"][1] > 0
 
 
 def test_bench_summary_counts_rows_off_the_dequantize_path():

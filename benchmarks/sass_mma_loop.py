@@ -20,9 +20,9 @@ Two pipes bound the loop before issue does, so their shares at the floor are giv
   schedulers' four (the CUDA C++ Programming Guide's throughput table), so a decode moved from
   the table into registers costs twice its count (kbit-lab-log §35: +15% instructions, 0.68-0.82x);
 * shared memory: one wavefront (128 bytes) a cycle an SM; a warp's `LDS` of 4, 8 or 16 bytes a
-  lane takes 1, 2 or 4 wavefronts when conflict-free (the table's copies make it so), and
-  broadcasts (K = 2's lanes c and c + 1 read one word) do not save any. The TMA writes into the
-  slots (a quarter to half a wavefront a warp's LDS.128) are left out: the share is a floor.
+  lane takes 1, 2 or 4 wavefronts when conflict-free (the table's copies make it so), counted
+  as if broadcasts (K = 2's lanes c and c + 1 read one word) saved none (not measured). The TMA
+  writes into the slots (a quarter to half a wavefront a warp's LDS.128) are left out.
 
     python benchmarks/sass_mma_loop.py                     # H200: 4.25 TB/s, 132 SMs, 1.98 GHz
     python benchmarks/sass_mma_loop.py --bandwidth 3.0     # H100 SXM

@@ -12,6 +12,14 @@ earlier stage), wait for the stage's input, read it, reduce, store.
   CTA bumps the stage's arrival counter and spins until every CTA has arrived (the last CTA
   of the last stage resets the counters, so CUDA-graph replays need no memset).
 
+And two that keep the weights streaming across a boundary (decode-lab-log experiment 21):
+
+* ``launches + L2``: as ``launches``, and before its PDL wait each CTA asks L2 for its rows of
+  the *next* stage (one ``cp.async.bulk.prefetch.L2``), so that stage's loads hit L2;
+* ``persistent, one ahead``: as ``persistent``, but each CTA issues its rows of stage s + 1
+  before it waits at stage s's barrier and computes stage s, so a stage's weights are in
+  flight during the stage before it (two stages of rows in registers).
+
 Each chain is timed as CUDA-graph replays (`common.timing`); the weights of all stages exceed
 L2. ``(launches - persistent) / (S - 1)`` is what a persistent kernel would save per
 boundary. The result is checked against a float32 reference of the chain.
@@ -22,6 +30,7 @@ boundary. The result is checked against a float32 reference of the chain.
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 import triton
@@ -46,33 +55,55 @@ def _stage_rows(x_ptr, y_ptr, row0, D, w, ROWS: tl.constexpr, DP: tl.constexpr, 
 
 
 @triton.jit
-def _load_rows(w_ptr, row0, D, ROWS: tl.constexpr, DP: tl.constexpr):
+def _load_rows(w_ptr, row0, D, ROWS: tl.constexpr, DP: tl.constexpr, valid=True):
     rows = row0 + tl.arange(0, ROWS)
     k = tl.arange(0, DP)
-    mask = (rows < D)[:, None] & (k < D)[None, :]
+    mask = (rows < D)[:, None] & (k < D)[None, :] & valid
     return tl.load(w_ptr + rows[:, None] * D + k[None, :], mask=mask, other=0.0)
 
 
+#: PTX: thread 0 asks L2 for $2 bytes from $1 (sm_90 bulk prefetch, no data returned)
+_L2_PREFETCH_ASM = tl.constexpr(
+    "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0;"
+    " @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }"
+)
+
+
 @triton.jit
-def _stage_kernel(w_ptr, x_ptr, y_ptr, D, ROWS: tl.constexpr, DP: tl.constexpr, PDL: tl.constexpr):
-    """One stage, one launch: weights first, then the PDL wait, then x."""
+def _stage_kernel(
+    w_ptr, x_ptr, y_ptr, next_ptr, D, ROWS: tl.constexpr, DP: tl.constexpr, PDL: tl.constexpr,
+    L2_NEXT: tl.constexpr,
+):  # fmt: skip
+    """One stage, one launch: weights first (``L2_NEXT``: and an L2 prefetch of the CTA's rows
+    of the next stage at ``next_ptr``), then the PDL wait, then x."""
     pdl.triton_release(PDL)
     row0 = tl.program_id(0) * ROWS
     w = _load_rows(w_ptr, row0, D, ROWS, DP)
+    if L2_NEXT:
+        at = next_ptr + row0 * D + tl.zeros([1], tl.int32)
+        nbytes = tl.minimum(ROWS, D - row0) * D * 2 + tl.zeros([1], tl.int32)
+        tl.inline_asm_elementwise(
+            _L2_PREFETCH_ASM, "=r,l,r", [at, nbytes], dtype=tl.int32, is_pure=False, pack=1
+        )
     pdl.triton_wait(PDL)
     _stage_rows(x_ptr, y_ptr, row0, D, w, ROWS, DP, False)
 
 
 @triton.jit
 def _chain_kernel(
-    w_ptr, buf_ptr, cnt_ptr, D, S, ROWS: tl.constexpr, DP: tl.constexpr
+    w_ptr, buf_ptr, cnt_ptr, D, S, ROWS: tl.constexpr, DP: tl.constexpr, AHEAD: tl.constexpr
 ):  # fmt: skip
     """Every stage in one launch: stage s reads ``buf[s]`` and writes ``buf[s + 1]``; the CTAs
-    (all resident: the grid is at most what fits at once) meet at counter s between stages."""
+    (all resident: the grid is at most what fits at once) meet at counter s between stages.
+    ``AHEAD``: the CTA's rows of stage s + 1 are loaded before it waits for stage s - 1."""
     nctas = tl.num_programs(0)
     row0 = tl.program_id(0) * ROWS
+    w = _load_rows(w_ptr, row0, D, ROWS, DP)
     for s in range(S):
-        w = _load_rows(w_ptr + s * D * D, row0, D, ROWS, DP)
+        if AHEAD:
+            w_next = _load_rows(w_ptr + (s + 1) * D * D, row0, D, ROWS, DP, s + 1 < S)
+        elif s > 0:
+            w = _load_rows(w_ptr + s * D * D, row0, D, ROWS, DP)
         if s > 0:
             seen = tl.atomic_add(cnt_ptr + s - 1, 0, sem="acquire")
             while seen < nctas:
@@ -84,41 +115,51 @@ def _chain_kernel(
             # every CTA has passed every wait: clean counters for the next replay
             for t in range(S):
                 tl.atomic_xchg(cnt_ptr + t, 0, sem="relaxed")
+        if AHEAD:
+            w = w_next
 
 
-def chain_launches(weights: torch.Tensor, bufs: torch.Tensor, rows: int) -> torch.Tensor:
-    """The chain as one PDL launch a stage; returns the last vector."""
+def chain_launches(
+    weights: torch.Tensor, bufs: torch.Tensor, rows: int, l2_next: bool = False
+) -> torch.Tensor:
+    """The chain as one PDL launch a stage (``l2_next``: each prefetching the next stage's
+    rows into L2 before its wait); returns the last vector."""
     S, D, _ = weights.shape
     grid = (triton.cdiv(D, rows),)
     for s in range(S):
         _stage_kernel[grid](
-            weights[s], bufs[s], bufs[s + 1], D, ROWS=rows, DP=triton.next_power_of_2(D),
-            num_warps=4, **pdl.launch_options(pdl.enabled(weights.device)),
+            weights[s], bufs[s], bufs[s + 1], weights[min(s + 1, S - 1)], D, ROWS=rows,
+            DP=triton.next_power_of_2(D), L2_NEXT=l2_next and s + 1 < S, num_warps=4,
+            **pdl.launch_options(pdl.enabled(weights.device)),
         )  # fmt: skip
     return bufs[S]
 
 
 def chain_persistent(
-    weights: torch.Tensor, bufs: torch.Tensor, counters: torch.Tensor, rows: int
-) -> torch.Tensor:
-    """The chain as one launch of co-resident CTAs with a grid barrier between stages; the
-    caller checks that ``D / rows`` CTAs fit at once (`resident_ctas`), or it never ends."""
+    weights: torch.Tensor, bufs: torch.Tensor, counters: torch.Tensor, rows: int,
+    ahead: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """The chain as one launch of co-resident CTAs with a grid barrier between stages
+    (``ahead``: each stage's rows loaded during the stage before); the caller checks that ``D
+    / rows`` CTAs fit at once (`resident_ctas`), or it never ends."""
     S, D, _ = weights.shape
     _chain_kernel[(triton.cdiv(D, rows),)](
-        weights, bufs, counters, D, S, ROWS=rows, DP=triton.next_power_of_2(D), num_warps=4
-    )
+        weights, bufs, counters, D, S, ROWS=rows, DP=triton.next_power_of_2(D), AHEAD=ahead,
+        num_warps=4,
+    )  # fmt: skip
     return bufs[S]
 
 
 def resident_ctas(
-    weights: torch.Tensor, bufs: torch.Tensor, counters: torch.Tensor, rows: int
-) -> int:
+    weights: torch.Tensor, bufs: torch.Tensor, counters: torch.Tensor, rows: int,
+    ahead: bool = False,
+) -> int:  # fmt: skip
     """How many CTAs of the persistent kernel fit on the GPU at once, from its compiled
     registers and shared memory (4 warps a CTA)."""
     S, D, _ = weights.shape
     kernel = _chain_kernel.warmup(
-        weights, bufs, counters, D, S, ROWS=rows, DP=triton.next_power_of_2(D), num_warps=4,
-        grid=(1,),
+        weights, bufs, counters, D, S, ROWS=rows, DP=triton.next_power_of_2(D), AHEAD=ahead,
+        num_warps=4, grid=(1,),
     )  # fmt: skip
     kernel._init_handles()
     props = torch.cuda.get_device_properties(weights.device)
@@ -149,46 +190,49 @@ def main() -> None:
     g = torch.Generator(device=dev).manual_seed(0)
     weights = (torch.randn(S, D, D, device=dev, generator=g) / D**0.5).half()
     x = torch.randn(D, device=dev, generator=g).half()
-    bufs_l = torch.full((S + 1, D), float("nan"), device=dev, dtype=torch.half)
-    bufs_p = bufs_l.clone()
     counters = torch.zeros(S, device=dev, dtype=torch.int32)
-    fit = resident_ctas(weights, bufs_p, counters, rows)
-    if ctas > fit:
-        raise SystemExit(
-            f"{ctas} CTAs of {rows} rows, but only {fit} fit at once: the persistent kernel "
-            "needs every CTA resident (raise --rows)"
-        )
-    bufs_l[0] = x
-    bufs_p[0] = x
+    bufs = torch.full((S + 1, D), float("nan"), device=dev, dtype=torch.half)
+    for ahead in (False, True):
+        fit = resident_ctas(weights, bufs, counters, rows, ahead)
+        if ctas > fit:
+            raise SystemExit(
+                f"{ctas} CTAs of {rows} rows, but only {fit} fit at once (ahead={ahead}): the "
+                "persistent kernel needs every CTA resident (raise --rows)"
+            )
+    chains = {
+        "launches (PDL)": lambda b: chain_launches(weights, b, rows),
+        "launches + L2 next": lambda b: chain_launches(weights, b, rows, l2_next=True),
+        "persistent": lambda b: chain_persistent(weights, b, counters, rows),
+        "persistent, one ahead": lambda b: chain_persistent(weights, b, counters, rows, True),
+    }
     want = reference(weights, x).float()
-    for name, got in (
-        ("launches", chain_launches(weights, bufs_l, rows)),
-        ("persistent", chain_persistent(weights, bufs_p, counters, rows)),
-    ):
+    buffers = {}
+    for name, chain in chains.items():
+        b = buffers[name] = bufs.clone()
+        b[0] = x
+        got = chain(b)
         torch.cuda.synchronize()
         err = ((got.float() - want).norm() / want.norm()).item()
         print(f"{name}: relative error {err:.2e} against the float32 reference")
         if not err < 1e-2 or not torch.isfinite(got).all():
             raise SystemExit(f"{name}: wrong result")
-    assert int(counters.sum()) == 0, "the persistent kernel left its counters set"
+        assert int(counters.sum()) == 0, f"{name}: the persistent kernel left its counters set"
     nbytes = weights.numel() * weights.element_size()
     est = nbytes / 3e12 * 1e6
-    t_l, t_p = timing.graph_times(
-        [
-            [lambda: chain_launches(weights, bufs_l, rows)],
-            [lambda: chain_persistent(weights, bufs_p, counters, rows)],
-        ],
-        est,
+    times = timing.graph_times(
+        [[functools.partial(chain, buffers[name])] for name, chain in chains.items()], est
     )
     bw = measure_copy_bandwidth(dev)
     floor = nbytes / bw * 1e6
     print(
         f"{torch.cuda.get_device_name(dev)}: {S} stages of [{D}, {D}] fp16 ({nbytes / 2**20:.0f} "
-        f"MiB), {ctas} CTAs of {rows} rows; floor {floor:.1f} us at {bw / 1e12:.2f} TB/s"
+        f"MiB), {ctas} CTAs of {rows} rows; floor {floor:.1f} us ({floor / S:.2f} a stage) at "
+        f"{bw / 1e12:.2f} TB/s"
     )
-    print(f"launches (PDL)   {t_l:8.1f} us  {t_l / S:6.2f} us a stage")
-    print(f"persistent       {t_p:8.1f} us  {t_p / S:6.2f} us a stage")
-    print(f"saved a boundary {(t_l - t_p) / (S - 1):6.2f} us")
+    for name, t in zip(chains, times, strict=True):
+        print(f"{name:22s} {t:8.1f} us  {t / S:6.2f} us a stage  {t / floor:5.2f}x the floor")
+    t_l, t_p = times[0], times[2]
+    print(f"persistent saved a boundary {(t_l - t_p) / (S - 1):6.2f} us")
 
 
 if __name__ == "__main__":

@@ -30,12 +30,13 @@ want = probe.reference(weights, x).float()
 bufs = torch.full((S + 1, D), float("nan")).half(); bufs[0] = x
 got = probe.chain_launches(weights, bufs, rows=8).float()
 assert torch.isfinite(got).all() and (got - want).norm() / want.norm() < 1e-2, "launches"
-bufs = torch.full((S + 1, D), float("nan")).half(); bufs[0] = x
 counters = torch.zeros(S, dtype=torch.int32)
 # the interpreter runs programs one after another: one CTA, whose barrier is its own arrival
-got = probe.chain_persistent(weights, bufs, counters, rows=64).float()
-assert torch.isfinite(got).all() and (got - want).norm() / want.norm() < 1e-2, "persistent"
-assert counters.tolist() == [0] * S, counters
+for ahead in (False, True):
+    bufs = torch.full((S + 1, D), float("nan")).half(); bufs[0] = x
+    got = probe.chain_persistent(weights, bufs, counters, rows=64, ahead=ahead).float()
+    assert torch.isfinite(got).all() and (got - want).norm() / want.norm() < 1e-2, ahead
+    assert counters.tolist() == [0] * S, counters
 print("OK")
 """
 
@@ -60,8 +61,35 @@ def test_persistent_chain_compiles_for_sm90_without_a_gpu():
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
     signature = {"w_ptr": "*fp16", "buf_ptr": "*fp16", "cnt_ptr": "*i32", "D": "i32", "S": "i32"}
-    kernel = compile_for_sm90(probe._chain_kernel, signature, {"ROWS": 8, "DP": 2048}, num_warps=4)
-    ptx = kernel.asm["ptx"]
-    # the arrival a releasing add, the spin an acquiring read
-    assert "atom.global.gpu.release.add" in ptx and "ld.global.gpu.acquire" in ptx
-    assert "ld.global.cg" in ptx  # the stage input, past L1
+    for ahead in (False, True):
+        consts = {"ROWS": 8, "DP": 2048, "AHEAD": ahead}
+        kernel = compile_for_sm90(probe._chain_kernel, signature, consts, num_warps=4)
+        ptx = kernel.asm["ptx"]
+        # the arrival a releasing add, the spin an acquiring read
+        assert "atom.global.gpu.release.add" in ptx and "ld.global.gpu.acquire" in ptx
+        assert "ld.global.cg" in ptx  # the stage input, past L1
+        # the loop's weight loads (one stage ahead or the stage's own) go out before its spin
+        loop = ptx[ptx.index("Loop Header") :]
+        assert loop.index("ld.global.b16") < loop.index("ld.global.gpu.acquire")
+
+
+def test_stage_kernel_prefetches_the_next_stage_before_its_wait():
+    """``launches + L2``: one bulk L2 prefetch (of the CTA's rows of the next stage) before the
+    PDL wait, none without it."""
+    import importlib.util
+
+    from aot import compile_for_sm90
+
+    spec = importlib.util.spec_from_file_location("probe", SCRIPT)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    signature = {"w_ptr": "*fp16", "x_ptr": "*fp16", "y_ptr": "*fp16", "next_ptr": "*fp16",
+                 "D": "i32"}  # fmt: skip
+    for l2 in (False, True):
+        consts = {"ROWS": 8, "DP": 2048, "PDL": True, "L2_NEXT": l2}
+        kernel = compile_for_sm90(probe._stage_kernel, signature, consts, num_warps=4,
+                                  launch_pdl=True)  # fmt: skip
+        ptx = kernel.asm["ptx"]
+        assert ptx.count("cp.async.bulk.prefetch.L2.global") == int(l2)
+        if l2:
+            assert ptx.index("cp.async.bulk.prefetch.L2") < ptx.index("griddepcontrol.wait")

@@ -122,3 +122,41 @@ def test_decode_reads_the_new_key_after_its_wait_under_pdl():
         ref = c.reference()
         err = ((out.double().cpu() - ref).abs().max() / ref.abs().max()).item()
         assert err <= TOL[dt], err
+
+
+@pytest.mark.gpu
+def test_decode_prefetching_the_next_weight_changes_nothing():
+    """`paged_decode(..., prefetch=w)` (the programs pull the output projection's weight into
+    L2 before their wait, sm_90+) gives the same bits as without it, leaves ``w`` as it was,
+    and is planned for a weight of GPT-OSS-20B's o_proj size but not for one past 3/4 of L2."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs a CUDA GPU of compute capability 9.0+ (bulk L2 prefetch)")
+    from quantfw.kernels.attention import triton_paged
+    from quantfw.kernels.common import l2_prefetch
+    from quantfw.layers.attention.backends.triton import TritonBackend
+
+    dt = torch.bfloat16
+    c = make_case(cached=[0, 40, 700], new=[1, 1, 1], heads=64, kv_heads=8, head_dim=64,
+                  block_size=16, sinks=True, window=128, dtype=dt, device="cuda")  # fmt: skip
+    w = torch.randn(2880, 4096, dtype=dt, device="cuda")
+    before = w.clone()
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    too_big = torch.empty(int(l2 * 0.8) // 2, dtype=dt, device="cuda")
+    assert l2_prefetch.plan(w, 96) is not None and l2_prefetch.plan(too_big, 96) is None
+    k_cache, v_cache = c.layer.kv_cache
+    meta = c.metadata(TritonBackend())
+    triton_paged.store_kv(c.k, c.v, k_cache, v_cache, meta.slot_mappings[0])
+    outs = [
+        triton_paged.paged_decode(
+            c.q, k_cache, v_cache, meta.block_tables[0], meta.context_lens, c.layer.scale,
+            num_splits=splits, sliding_window=128, sinks=c.layer.sinks, prefetch=pf,
+        )
+        for splits in (1, 32)
+        for pf in (None, w)
+    ]  # fmt: skip
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[2], outs[3])
+    assert torch.equal(w, before)
+    ref = c.reference()
+    err = ((outs[3].double().cpu() - ref).abs().max() / ref.abs().max()).item()
+    assert err <= TOL[dt], err

@@ -106,7 +106,6 @@ class LlamaAttention(nn.Module):
             prefix=_join(prefix, "attn"),
             **(attn_options or {}),
         )
-        self.attn.set_next_linear(self.o_proj)
 
     def forward(
         self,

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from quantfw.kernels.common import l2_prefetch, pdl
+from quantfw.kernels.common import pdl
 
 LOG2E = 1.4426950408889634
 
@@ -111,11 +111,10 @@ def _tile_rows(
 def _paged_decode_kernel(
     q_ptr, k_cache, v_cache, block_tables, context_lens, sinks_ptr, out_ptr, part_out, part_lse,
     q_stride_t, q_stride_h, bt_stride, out_stride_t, scale_log2, window,
-    pf_ptr, pf_slice, pf_total,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
     GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, D_P: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr = False,
+    HAS_SINKS: tl.constexpr, PRECISION: tl.constexpr,
     PDL: tl.constexpr = False,
 ):  # fmt: skip
     # With PDL the previous kernel (the one that stored the new token's key and value) may
@@ -125,9 +124,6 @@ def _paged_decode_kernel(
     b = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     split = tl.program_id(2)
-    if PREFETCH:  # the next kernel's weights into L2, a slice a program (`l2_prefetch`)
-        program = (b * NUM_KV_HEADS + g) * NUM_SPLITS + split
-        l2_prefetch.prefetch_slice(pf_ptr, program, pf_slice, pf_total)
     ctx = tl.load(context_lens + b)
     start = 0
     if HAS_WINDOW:
@@ -255,12 +251,8 @@ def paged_decode(
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
-    prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of one query token per sequence: q [B, heads, head_dim] -> [B, heads * head_dim].
-
-    ``prefetch``: a tensor the next kernels read (the output projection's weight), pulled into
-    L2 by the decode programs before their wait where `l2_prefetch.plan` allows."""
+    """Attention of one query token per sequence: q [B, heads, head_dim] -> [B, heads * head_dim]."""
     _check_heads(q, "q")
     batch, num_heads, head_dim = q.shape
     _, page, num_kv_heads, _ = k_cache.shape
@@ -277,12 +269,10 @@ def paged_decode(
     else:
         part_out = part_lse = out
     sinks_arg = sinks if sinks is not None else out
-    pf = l2_prefetch.plan(prefetch, batch * num_kv_heads * num_splits)
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, sinks_arg, out, part_out, part_lse,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), scale * LOG2E,
-        sliding_window or 0, pf.tensor if pf else out, pf.slice_bytes if pf else 0,
-        pf.total_bytes if pf else 0, PREFETCH=pf is not None,
+        sliding_window or 0,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
         GROUP_P=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, D_P=d_p, PAGE=page,
         BLOCK_N=64, NUM_SPLITS=num_splits, HAS_WINDOW=sliding_window is not None,

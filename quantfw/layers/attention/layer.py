@@ -65,11 +65,7 @@ class Attention(nn.Module):
     ``kv_group`` (the layer's KV-cache group) before cache-aware steps.
 
     With ``use_sinks`` the layer owns ``sinks`` [num_heads] (float32, this rank's heads; loaded
-    from the full [total heads] tensor like a column-parallel output).
-
-    ``next_linear``: the linear layer that reads this layer's output (the output projection),
-    set by the model; a decode backend may pull the weight it streams into L2 while attention
-    runs (`next_streamed_weight`)."""
+    from the full [total heads] tensor like a column-parallel output)."""
 
     def __init__(
         self,
@@ -98,8 +94,6 @@ class Attention(nn.Module):
         self.prefix = prefix
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.kv_group = 0
-        # a plain attribute (a tuple), not a submodule: the linear layer belongs to the model
-        self._next_linear: tuple[nn.Module, ...] = ()
         if use_sinks:
             self.sinks = nn.Parameter(
                 torch.empty(num_heads, dtype=torch.float32), requires_grad=False
@@ -112,18 +106,6 @@ class Attention(nn.Module):
             set_weight_attrs(self.sinks, {"output_dim": 0, "weight_loader": load_sinks})
         else:
             self.register_parameter("sinks", None)
-
-    def set_next_linear(self, linear: nn.Module) -> None:
-        """Record the linear layer that reads this layer's output (see the class docstring)."""
-        self._next_linear = (linear,)
-
-    def next_streamed_weight(self) -> torch.Tensor | None:
-        """The weight the next linear layer streams at decode (its quantize method's
-        `streamed_weight`), or None."""
-        if not self._next_linear:
-            return None
-        linear = self._next_linear[0]
-        return linear.quant_method.streamed_weight(linear)
 
     def forward(
         self,

@@ -45,12 +45,6 @@ class QuantizeMethodBase(ABC):
         can expect its parameters and buffers to hold."""
         raise NotImplementedError(f"{type(self).__name__} does not report runtime_nbytes")
 
-    def streamed_weight(self, layer: nn.Module) -> torch.Tensor | None:
-        """The one tensor `apply` streams from memory at decode, if its time is that stream's
-        (a kernel before it may pull it into L2, `kernels.common.l2_prefetch`); None (the
-        default) where the method's kernels are not bound by their weight bytes."""
-        return None
-
 
 def create_layer_weights(
     layer: nn.Module,
@@ -163,9 +157,6 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     def runtime_nbytes(self, layer: nn.Module) -> int:
         return layer.weight.numel() * layer.weight.element_size()
-
-    def streamed_weight(self, layer: nn.Module) -> torch.Tensor | None:
-        return layer.weight
 
 
 class QuantizationConfig(ABC):

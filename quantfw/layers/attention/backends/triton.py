@@ -10,8 +10,6 @@ from quantfw.layers.attention.backends.base import AttentionBackend, write_kv
 class TritonBackend(AttentionBackend):
     name = "triton"
     graph_capturable = True
-    #: decode programs pull the output projection's weight into L2 (`paged_decode`'s prefetch)
-    prefetch_next_weight = True
 
     def __init__(self) -> None:
         from quantfw.kernels.attention import triton_paged
@@ -38,7 +36,6 @@ class TritonBackend(AttentionBackend):
                 num_splits=splits,
                 sliding_window=layer.sliding_window,
                 sinks=layer.sinks,
-                prefetch=layer.next_streamed_weight() if self.prefetch_next_weight else None,
             )
         return kern.paged_prefill(
             q,

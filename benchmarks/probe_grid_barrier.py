@@ -185,6 +185,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=8, help="weight rows a CTA")
     args = ap.parse_args()
     D, S, rows = args.dim, args.stages, args.rows
+    if rows < 1 or rows & (rows - 1):
+        raise SystemExit(f"--rows {rows}: the weight rows a CTA must be a power of two")
     dev = torch.device("cuda")
     ctas = triton.cdiv(D, rows)
     g = torch.Generator(device=dev).manual_seed(0)

@@ -34,9 +34,7 @@ import argparse
 import collections
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [
@@ -101,8 +99,7 @@ def variants() -> list[tuple[str, int, dict]]:
 def compile_variant(bits: int, consts: dict) -> tuple[str, int, int]:
     """(SASS text, registers, shared bytes) of one sm_90 compile (``MAXNREG`` in `consts`: a
     register cap)."""
-    import triton
-    from aot import compile_for_sm90, resource_usage
+    from aot import compile_for_sm90, resource_usage, sass
     from test_kbit_kernels import _MMA_ALIGNED, _MMA_SIGNATURE, _mma_tma_signature
 
     from quantfw.kernels.kbit.triton import mma as KM
@@ -126,14 +123,8 @@ def compile_variant(bits: int, consts: dict) -> tuple[str, int, int]:
         launch_pdl=True,
         **options,
     )
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = os.path.join(tmp, "k.cubin")
-        with open(cubin, "wb") as f:
-            f.write(kernel.asm["cubin"])
-        sass = subprocess.run([f"{tools}/nvdisasm", "-c", cubin], capture_output=True, text=True)
     regs = int(re.search(r"REG:(\d+)", resource_usage(kernel)).group(1))
-    return sass.stdout, regs, kernel.metadata.shared
+    return sass(kernel), regs, kernel.metadata.shared
 
 
 def loop_body(sass: str) -> list[str]:

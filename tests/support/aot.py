@@ -31,20 +31,29 @@ def compile_for_sm90(
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def resource_usage(kernel: Any) -> str:
-    """cuobjdump's resource line of a compiled kernel's cubin (``REG:.. STACK:.. SHARED:..
-    LOCAL:..``), through the tool bundled with Triton."""
+def _on_cubin(kernel: Any, tool: str, *args: str) -> str:
+    """The output of Triton's bundled `tool` (a CUDA binary utility) run on the kernel's cubin."""
     import os
     import subprocess
     import tempfile
 
     import triton
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = os.path.join(tmp, "kernel.cubin")
         with open(cubin, "wb") as f:
             f.write(kernel.asm["cubin"])
-        done = subprocess.run([tool, "--dump-resource-usage", cubin], capture_output=True,
-                              text=True, check=True)  # fmt: skip
+        done = subprocess.run([path, *args, cubin], capture_output=True, text=True, check=True)
     return done.stdout
+
+
+def resource_usage(kernel: Any) -> str:
+    """cuobjdump's resource line of a compiled kernel's cubin (``REG:.. STACK:.. SHARED:..
+    LOCAL:..``), through the tool bundled with Triton."""
+    return _on_cubin(kernel, "cuobjdump", "--dump-resource-usage")
+
+
+def sass(kernel: Any) -> str:
+    """The SASS of a compiled kernel's cubin (nvdisasm, bundled with Triton)."""
+    return _on_cubin(kernel, "nvdisasm", "-c")

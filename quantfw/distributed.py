@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import gc
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -93,9 +94,14 @@ def init_distributed(
 
 
 def destroy_distributed() -> None:
-    """Tear down the TP state and the default process group, if any."""
+    """Tear down the TP state and the default process group, if any. Drop every engine first:
+    CUDA graphs that captured NCCL collectives and are still alive make the teardown hang
+    (two H100s, torch 2.11); unreferenced ones are collected here before it."""
     _state.size, _state.rank, _state.group = 1, 0, None
     if dist.is_initialized():
+        gc.collect()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
         dist.destroy_process_group()
 
 

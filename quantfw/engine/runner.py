@@ -292,6 +292,12 @@ class ModelRunner:
                     model, kv_cache, graph_backend, device, max_graph_batch, max_window
                 )
 
+    def release_graphs(self) -> None:
+        """Drop the decode CUDA graphs (later decode steps run eagerly). Graphs that captured
+        NCCL collectives must be gone before the process group is torn down, which otherwise
+        hangs (`distributed.destroy_distributed`)."""
+        self.graphs = None
+
     @property
     def max_window(self) -> int:
         """The longest decode window the graphs can run (1: none)."""

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from quantfw import distributed as qdist
+from quantfw.kernels.dense.ops import QkvRopeStore
 from quantfw.layers import sharding
 from quantfw.layers.quantization.base import (
     QuantizationConfig,
@@ -267,6 +268,12 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 
     def _shard_ids(self) -> list:
         return ["q", "k", "v"]
+
+    def forward_rope_store(self, x: torch.Tensor, store: QkvRopeStore) -> torch.Tensor | None:
+        """One decode token's q/k/v projection with the rotary epilogue `store` (q and k rotated,
+        k and v written to their cache row): this rank's rotated q, or None where the
+        quantization method does not fuse it (then call the layer and rotate and store)."""
+        return self.quant_method.apply_rope_store(self, x, self.bias, store)
 
 
 class RowParallelLinear(LinearBase):

@@ -115,6 +115,13 @@ class LlamaAttention(nn.Module):
         attn_meta: AttentionMetadata | None = None,
     ) -> torch.Tensor:
         b, s, _ = hidden.shape
+        if attn_meta is not None:
+            rope = rotary.args(cos_sin[0], self.q_norm, self.k_norm)
+            store = self.attn.decode_rope_store(attn_meta, rope)
+            q = self.qkv_proj.forward_rope_store(hidden[0], store) if store is not None else None
+            if q is not None:  # one decoding token: k and v went to the cache with q's rotation
+                q = q.view(1, self.num_heads, self.head_dim)
+                return self.o_proj(self.attn(q, None, None, attn_meta).unsqueeze(0))
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(b, s, self.num_heads, self.head_dim)
@@ -124,7 +131,6 @@ class LlamaAttention(nn.Module):
             rope = rotary.args(cos_sin, self.q_norm, self.k_norm)
             return self.o_proj(self.attn(q, k, v, rope=rope))
         # cache-aware: one flat batch of tokens (b == 1)
-        rope = rotary.args(cos_sin[0], self.q_norm, self.k_norm)
         return self.o_proj(self.attn(q[0], k[0], v[0], attn_meta, rope).unsqueeze(0))
 
 

@@ -103,3 +103,37 @@ def test_decode_windows_match_single_steps(tiny_llama, dtype):
 def test_decode_window_needs_cuda_graphs(tiny_llama):
     with pytest.raises(ValueError, match="decode_window"):
         LLM(tiny_llama, max_num_seqs=2, decode_window=4, cuda_graphs=False)
+
+
+def _one_sequence_greedy(model, dtype, graphs, monkeypatch, fused):
+    """Greedy tokens of one prompt decoding alone (one token a step), with the q/k/v
+    projection's rotary epilogue on or off; the number of projections it served."""
+    from quantfw.kernels.dense import ops
+
+    served = []
+    real = ops.linear_rope_store
+
+    def counted(*args):
+        q = real(*args) if fused else None
+        served.append(q is not None)
+        return q
+
+    monkeypatch.setattr(ops, "linear_rope_store", counted)
+    llm = LLM(model, dtype=dtype, max_num_seqs=1, max_model_len=128, cuda_graphs=graphs)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    tokens = llm.generate([PROMPTS[1]], greedy)[0].outputs[0].token_ids
+    del llm
+    torch.cuda.empty_cache()
+    return tokens, sum(served)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True])
+def test_decode_projection_rotates_and_stores_as_attention_did(tiny_llama, graphs, monkeypatch):
+    """A bfloat16 Llama decoding one sequence: its q/k/v projections take the GEMV's rotary
+    epilogue (k and v straight to the cache), and the greedy tokens are those of the separate
+    rotary-and-store kernel."""
+    fused, served = _one_sequence_greedy(tiny_llama, "bfloat16", graphs, monkeypatch, True)
+    assert served > 0
+    plain, _ = _one_sequence_greedy(tiny_llama, "bfloat16", graphs, monkeypatch, False)
+    assert fused == plain

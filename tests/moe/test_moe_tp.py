@@ -96,6 +96,23 @@ def test_tp2_on_two_gpus_equals_tp1(moe_checkpoints, rel_err, tmp_path, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_tp2_decode_projection_rotates_and_stores_on_each_rank(moe_checkpoints, tmp_path):
+    """GPT-OSS (MXFP4 experts, bfloat16) at TP = 2 decoding one sequence under CUDA graphs:
+    each rank's q/k/v projection rotates its own heads and stores its own key and value
+    (`kernels.dense.ops.linear_rope_store`), and the tokens are those of the separate
+    rotary-and-store kernel at TP = 2."""
+    folder = moe_checkpoints["gpt_oss_experts"]
+    runs = {}
+    for mode in ("fused", "unfused"):
+        out = tmp_path / f"{mode}.pt"
+        torchrun2("tp_generate.py", str(out), folder, "one-sequence-gpu", mode)
+        runs[mode] = torch.load(out)
+    assert runs["fused"]["served"] > 0 and runs["unfused"]["served"] == 0
+    assert runs["fused"]["tokens"] == runs["unfused"]["tokens"]
+
+
+@pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_tp2_flashinfer_experts_on_two_gpus_equal_tp1(moe_checkpoints, rel_err, tmp_path):

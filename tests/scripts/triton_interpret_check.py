@@ -180,9 +180,62 @@ def gemv() -> None:
             check("dense_gemv leaves the workspace clean", float(ws.any() or cnt.any()), 0.0)
 
 
+def gemv_rope_store() -> None:
+    """The GEMV's rotary epilogue writes what the GEMV and then the rotary-and-store kernel
+    write: q rotated, k rotated and v at the cache row, the same bits, with and without a split
+    along K, with heads that straddle column tiles (block_n 4 over head_dim 6)."""
+    from quantfw.kernels.dense.gemv import dense_gemv
+    from quantfw.kernels.dense.ops import QkvRopeStore
+    from quantfw.kernels.fused import triton_ops
+
+    g = torch.Generator().manual_seed(6)
+    for nh, nkv, d, k, cfg, dtype in (
+        (4, 2, 16, 96, dict(block_n=4, block_k=32, ctas_per_sm=2), torch.float32),
+        (6, 2, 8, 200, dict(block_n=4, block_k=64, ctas_per_sm=8), torch.float16),
+        (4, 1, 16, 64, dict(block_n=2, block_k=32, ctas_per_sm=1), torch.float32),
+        (5, 1, 6, 80, dict(block_n=4, block_k=16, ctas_per_sm=1), torch.float16),
+    ):
+        n = (nh + 2 * nkv) * d
+        w = torch.randn(n, k, generator=g).to(dtype)
+        x = torch.randn(1, k, generator=g).to(dtype)
+        b = torch.randn(n, generator=g).to(dtype)
+        angles = 11.0 * 10000 ** (-torch.arange(0, d, 2).double() / d)
+        cs = torch.cat((angles.cos(), angles.sin())).float()
+        k_cache = torch.randn(3, 4, nkv, d, generator=g).to(dtype)
+        v_cache = torch.randn(3, 4, nkv, d, generator=g).to(dtype)
+        k_twin, v_twin = k_cache.clone(), v_cache.clone()
+        slot = torch.tensor([6])
+        store = QkvRopeStore(cs, slot, k_cache, v_cache, nh, nkv, d)
+        q = dense_gemv(x, w, b, rope_store=store, **cfg)
+        qkv = dense_gemv(x, w, b, **cfg)
+        tq, tk, tv = (
+            t.reshape(1, -1, d).clone() for t in qkv.split([nh * d, nkv * d, nkv * d], -1)
+        )
+        flat = (k_twin.view(-1, nkv, d), v_twin.view(-1, nkv, d), slot)
+        triton_ops.qk_norm_rope(tq, tk, cs, d, None, None, 0.0, store=(tv, *flat))
+        same = torch.equal(q.view(1, nh, d), tq) and torch.equal(k_cache, k_twin)
+        same = same and torch.equal(v_cache, v_twin)
+        check(
+            f"dense_gemv rotary epilogue heads {nh}+{nkv} d={d} {cfg} {dtype}",
+            0.0 if same else 1.0,
+            0.0,
+        )
+        # against float64: y = W x + b, rotate-half with the same angles
+        y = x.double() @ w.double().T + b.double()
+        heads = y.view(-1, d)
+        x1, x2 = heads[:, : d // 2], heads[:, d // 2 :]
+        c, s_ = angles.cos(), angles.sin()
+        rot = torch.cat((x1 * c - x2 * s_, x2 * c + x1 * s_), -1)
+        tol = 1e-6 if dtype == torch.float32 else 2e-3
+        check("dense_gemv rotary epilogue q against float64", rel(q.view(nh, d), rot[:nh]), tol)
+        check("... k against float64", rel(k_cache.view(-1, nkv, d)[6], rot[nh : nh + nkv]), tol)
+        check("... v against float64", rel(v_cache.view(-1, nkv, d)[6], heads[nh + nkv :]), tol)
+
+
 if __name__ == "__main__":
     patch_interpreter_scalar_index()
     attention()
     fused()
     gemv()
+    gemv_rope_store()
     sys.exit(1 if FAILED else 0)

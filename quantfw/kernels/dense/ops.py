@@ -10,6 +10,8 @@ of kernel by shape)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -32,10 +34,48 @@ def gemv_config(N: int, K: int) -> dict:
     return dict(block_n=4, block_k=512, ctas_per_sm=8, warps=2)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for an unquantized weight, through `dense_gemv` (configured by
-    `gemv_config`) for one fp16/bf16 token on a Hopper GPU."""
-    if (
+@dataclass(frozen=True)
+class QkvRopeStore:
+    """Where a one-token q/k/v projection's output goes when decode attention reads it
+    directly (`dense_gemv`'s rotary epilogue): the weight's rows are ``num_heads`` q heads,
+    ``num_kv_heads`` k heads and as many v heads of ``head_dim``; q and k are rotated by
+    ``cos_sin`` ([1, head_dim] or [head_dim] float32: cos of the head_dim / 2 frequencies, then
+    sin; rotate-half over the whole head, no per-head norm); k and v land in row ``slot`` ([1]
+    int64) of ``k_cache`` / ``v_cache`` (contiguous, rows of ``num_kv_heads * head_dim``)."""
+
+    cos_sin: torch.Tensor
+    slot: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    def check(self, weight: torch.Tensor, block_n: int) -> None:
+        """A ValueError naming every field that does not fit ``weight`` and ``block_n``."""
+        q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        problems = []
+        if weight.shape[0] != q_rows + 2 * kv_rows:
+            problems.append(
+                f"weight {tuple(weight.shape)} is not {self.num_heads} + 2 x {self.num_kv_heads} "
+                f"heads of {self.head_dim} rows"
+            )
+        if self.head_dim % 2 or block_n % 2 or (q_rows + kv_rows) % block_n:
+            problems.append(f"head_dim {self.head_dim} and block_n {block_n} must pair rows")
+        if self.cos_sin.numel() != self.head_dim or self.cos_sin.dtype != torch.float32:
+            problems.append(f"cos_sin {tuple(self.cos_sin.shape)} {self.cos_sin.dtype}")
+        if self.slot.numel() != 1 or self.slot.dtype != torch.int64:
+            problems.append(f"slot {tuple(self.slot.shape)} {self.slot.dtype}")
+        for name, cache in (("k_cache", self.k_cache), ("v_cache", self.v_cache)):
+            if not cache.is_contiguous() or cache.shape[-2:].numel() != kv_rows:
+                problems.append(f"{name} {tuple(cache.shape)} (contiguous rows of {kv_rows})")
+        if problems:
+            raise ValueError("dense_gemv rotary epilogue: " + "; ".join(problems))
+
+
+def _gemv_serves(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether `dense_gemv` takes this call: one fp16/bf16 token on a Hopper GPU."""
+    return (
         x.is_cuda
         and x.dtype in (torch.float16, torch.bfloat16)
         and x.numel() == x.shape[-1]
@@ -49,9 +89,30 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         )
         and cuda_capability(x.device) in CAPABILITIES
         and triton_available()
-    ):
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for an unquantized weight, through `dense_gemv` (configured by
+    `gemv_config`) for one fp16/bf16 token on a Hopper GPU."""
+    if _gemv_serves(x, weight, bias):
         from quantfw.kernels.dense.gemv import dense_gemv
 
         cfg = gemv_config(*weight.shape)
         return dense_gemv(x.reshape(1, -1), weight, bias, **cfg).view(*x.shape[:-1], -1)
     return F.linear(x, weight, bias)
+
+
+def linear_rope_store(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, store: QkvRopeStore
+) -> torch.Tensor | None:
+    """A one-token q/k/v projection with `store`'s rotary epilogue (`dense_gemv`): the rotated
+    q ``[..., num_heads * head_dim]``, k and v written to their cache row; None where the GEMV
+    does not take the call (the caller projects, rotates and stores as usual)."""
+    if not _gemv_serves(x, weight, bias):
+        return None
+    from quantfw.kernels.dense.gemv import dense_gemv
+
+    cfg = gemv_config(*weight.shape)
+    q = dense_gemv(x.reshape(1, -1), weight, bias, rope_store=store, **cfg)
+    return q.view(*x.shape[:-1], -1)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantfw import distributed as qdist
+from quantfw.kernels.dense.ops import QkvRopeStore
 from quantfw.layers.attention.metadata import AttentionMetadata
 from quantfw.layers.rotary import RopeArgs
 from quantfw.layers.sharding import load_column_shard, set_weight_attrs
@@ -107,15 +108,44 @@ class Attention(nn.Module):
         else:
             self.register_parameter("sinks", None)
 
+    def decode_rope_store(self, meta: AttentionMetadata, rope: RopeArgs) -> QkvRopeStore | None:
+        """Where a q/k/v projection that rotates and stores itself puts this step's key and
+        value (`QKVParallelLinear.forward_rope_store`), when the step is one decoding token and
+        `rope` rotates whole heads with no per-head norm; None otherwise. The attention then
+        runs as ``forward(q, None, None, meta)``."""
+        cos_sin = rope.cos_sin
+        if (
+            not meta.is_decode
+            or meta.slot_mappings[self.kv_group].numel() != 1
+            or rope.q_weight is not None
+            or rope.rotary_dim != self.head_dim
+            or cos_sin.dtype != torch.float32
+            or not cos_sin.is_contiguous()
+            or self.kv_cache is None
+        ):
+            return None
+        k_cache, v_cache = self.kv_cache
+        return QkvRopeStore(
+            cos_sin.view(-1),
+            meta.slot_mappings[self.kv_group],
+            k_cache,
+            v_cache,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+        )
+
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         meta: AttentionMetadata | None = None,
         rope: RopeArgs | None = None,
     ) -> torch.Tensor:
-        """`rope`: rotate (and per-head normalize) q and k here, fused with the cache store."""
+        """`rope`: rotate (and per-head normalize) q and k here, fused with the cache store.
+        With `meta`, k and v may be None: this step's keys and values are in the cache already
+        (written by the projection, `decode_rope_store`) and q is rotated."""
         if meta is not None:
             if self.kv_cache is None:
                 raise RuntimeError(
@@ -123,6 +153,8 @@ class Attention(nn.Module):
                     "cache was bound"
                 )
             return meta.backend.forward(self, q, k, v, meta, rope)
+        if k is None or v is None:
+            raise ValueError(f"layer {self.prefix or '(root)'}: cache-free attention needs k and v")
         if rope is not None:
             q, k = rope.apply(q, k)
         b, s = q.shape[:2]

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from quantfw.kernels.dense import ops as dense_ops
+from quantfw.kernels.dense.ops import QkvRopeStore
 from quantfw.layers.sharding import set_weight_attrs
 
 
@@ -129,6 +130,14 @@ class LinearMethodBase(QuantizeMethodBase):
         `apply`, then the activation; a method may compute it inside its GEMM."""
         return act(self.apply(layer, x, bias))
 
+    def apply_rope_store(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, store: QkvRopeStore
+    ) -> torch.Tensor | None:
+        """A q/k/v projection of one decode token that also rotates q and k and writes k and v
+        to their cache row (`store`), returning the rotated q; None (the default) where the
+        method does not fuse it and the caller rotates and stores after `apply`."""
+        return None
+
 
 class UnquantizedLinearMethod(LinearMethodBase):
     """Plain `weight [out, in]` in the model dtype."""
@@ -154,6 +163,11 @@ class UnquantizedLinearMethod(LinearMethodBase):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         return dense_ops.linear(x, layer.weight, bias)
+
+    def apply_rope_store(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, store: QkvRopeStore
+    ) -> torch.Tensor | None:
+        return dense_ops.linear_rope_store(x, layer.weight, bias, store)
 
     def runtime_nbytes(self, layer: nn.Module) -> int:
         return layer.weight.numel() * layer.weight.element_size()

@@ -53,7 +53,12 @@ def write_kv(
     rope: RopeArgs | None,
 ) -> torch.Tensor:
     """Store this step's k/v [T, kv_heads, head_dim] at their slots (rotating k first when
-    `rope` is given: one fused kernel on CUDA); returns q, rotated when `rope` is given."""
+    `rope` is given: one fused kernel on CUDA); returns q, rotated when `rope` is given. k and v
+    None: they are stored already (`Attention.decode_rope_store`), q is returned as it is."""
+    if k is None and v is None:
+        if rope is not None:
+            raise ValueError(f"layer {layer.prefix or '(root)'}: stored keys come rotated already")
+        return q
     k_cache, v_cache = layer.kv_cache
     slots = meta.slot_mappings[layer.kv_group]
     if rope is not None:

@@ -11,7 +11,8 @@ import contextlib
 import datetime
 import gc
 import os
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,8 @@ class _TPState:
 
 
 _state = _TPState()
+#: bound methods (held weakly) that `destroy_distributed` calls before the teardown
+_teardown_hooks: list[weakref.WeakMethod] = []
 
 
 def world_size_from_env() -> int:
@@ -93,12 +96,25 @@ def init_distributed(
     _state.size, _state.rank, _state.group = tp, rank % tp, group
 
 
+def on_teardown(method: Callable[[], None]) -> None:
+    """Have `destroy_distributed` call the bound ``method`` before it tears the process group
+    down (held weakly: a collected owner is skipped). Engines drop their decode CUDA graphs
+    this way: graphs that captured NCCL collectives and are still alive make the teardown hang
+    (two H100s, torch 2.11), also at interpreter exit with an `LLM` still referenced."""
+    _teardown_hooks.append(weakref.WeakMethod(method))
+
+
 def destroy_distributed() -> None:
-    """Tear down the TP state and the default process group, if any. Drop every engine first:
-    CUDA graphs that captured NCCL collectives and are still alive make the teardown hang
-    (two H100s, torch 2.11); unreferenced ones are collected here before it."""
+    """Tear down the TP state and the default process group, if any: first the `on_teardown`
+    hooks, then a garbage collection and a device sync, so that nothing still refers to the
+    group's communicators."""
     _state.size, _state.rank, _state.group = 1, 0, None
     if dist.is_initialized():
+        hooks, _teardown_hooks[:] = list(_teardown_hooks), []
+        for ref in hooks:
+            method = ref()
+            if method is not None:
+                method()
         gc.collect()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()

@@ -106,3 +106,30 @@ def test_tp2_dummy_model_equals_tp1(rel_err, tmp_path):
             expected = tp1(result["ids"])
         err = rel_err(result["logits"], expected)
         assert err <= 1e-5, f"{name}: TP=2 vs TP=1 relative error {err:.2e}"
+
+
+def test_teardown_hooks_run_before_the_process_group_goes(monkeypatch):
+    """`destroy_distributed` calls the `on_teardown` hooks of owners still alive (an engine
+    dropping its decode graphs) before it destroys the group, once; collected owners are
+    skipped."""
+    from quantfw import distributed as qdist
+
+    events = []
+
+    class Owner:
+        def __init__(self, name):
+            self.name = name
+
+        def release(self):
+            events.append(self.name)
+
+    kept, dropped = Owner("kept"), Owner("dropped")
+    qdist.on_teardown(kept.release)
+    qdist.on_teardown(dropped.release)
+    del dropped
+    monkeypatch.setattr(qdist.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(qdist.dist, "destroy_process_group", lambda: events.append("destroy"))
+    qdist.destroy_distributed()
+    assert events == ["kept", "destroy"]
+    qdist.destroy_distributed()  # the hooks ran once
+    assert events == ["kept", "destroy", "destroy"]

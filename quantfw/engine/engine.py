@@ -417,9 +417,8 @@ class LLMEngine:
         )
 
     def shutdown(self) -> None:
-        """Release the other TP ranks from their worker loop and drop the decode graphs."""
+        """Release the other TP ranks from their worker loop."""
         self.runner.stop_workers()
-        self.runner.release_graphs()
 
 
 def _hold_back(delta: str, stops: list[str]) -> str:

@@ -291,11 +291,12 @@ class ModelRunner:
                 self.graphs = DecodeGraphs(
                     model, kv_cache, graph_backend, device, max_graph_batch, max_window
                 )
+            qdist.on_teardown(self.release_graphs)
 
     def release_graphs(self) -> None:
-        """Drop the decode CUDA graphs (later decode steps run eagerly). Graphs that captured
-        NCCL collectives must be gone before the process group is torn down, which otherwise
-        hangs (`distributed.destroy_distributed`)."""
+        """Drop the decode CUDA graphs (later decode steps run eagerly): called by
+        `distributed.destroy_distributed`, since graphs that captured NCCL collectives must be
+        gone before the process group is torn down."""
         self.graphs = None
 
     @property

@@ -65,6 +65,6 @@ def run(args: argparse.Namespace) -> int:
             f"{tokens} tokens in {elapsed:.2f}s ({tokens / max(elapsed, 1e-9):.1f} tokens/s)",
             file=sys.stderr,
         )
-    del llm  # its decode graphs, before the process group goes (`destroy_distributed`)
+    del llm  # the engine and its decode graphs go before the process group does
     qdist.destroy_distributed()
     return 0

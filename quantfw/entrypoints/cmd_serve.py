@@ -112,7 +112,6 @@ def _run_worker(engine) -> int:
             f"quantfw serve: TP rank {qdist.get_tp_rank()} failed: {e}", file=sys.stderr, flush=True
         )
         raise
-    engine.runner.release_graphs()
     qdist.destroy_distributed()
     return 0
 

@@ -101,6 +101,7 @@ def on_teardown(method: Callable[[], None]) -> None:
     down (held weakly: a collected owner is skipped). Engines drop their decode CUDA graphs
     this way: graphs that captured NCCL collectives and are still alive make the teardown hang
     (two H100s, torch 2.11), also at interpreter exit with an `LLM` still referenced."""
+    _teardown_hooks[:] = [ref for ref in _teardown_hooks if ref() is not None]
     _teardown_hooks.append(weakref.WeakMethod(method))
 
 

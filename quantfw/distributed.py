@@ -97,10 +97,11 @@ def init_distributed(
 
 
 def on_teardown(method: Callable[[], None]) -> None:
-    """Have `destroy_distributed` call the bound ``method`` before it tears the process group
-    down (held weakly: a collected owner is skipped). Engines drop their decode CUDA graphs
-    this way: graphs that captured NCCL collectives and are still alive make the teardown hang
-    (two H100s, torch 2.11), also at interpreter exit with an `LLM` still referenced."""
+    """Have `destroy_distributed` call ``method``, a bound method (held weakly: a collected
+    owner is skipped), before it tears the process group down. Engines drop their decode CUDA
+    graphs this way: graphs that captured NCCL collectives and are still alive make the
+    teardown hang (two H100s, torch 2.11); `init_distributed` runs the teardown at interpreter
+    exit when it created the group, so an `LLM` still referenced then is covered too."""
     _teardown_hooks[:] = [ref for ref in _teardown_hooks if ref() is not None]
     _teardown_hooks.append(weakref.WeakMethod(method))
 
@@ -112,14 +113,16 @@ def destroy_distributed() -> None:
     _state.size, _state.rank, _state.group = 1, 0, None
     if dist.is_initialized():
         hooks, _teardown_hooks[:] = list(_teardown_hooks), []
-        for ref in hooks:
-            method = ref()
-            if method is not None:
-                method()
-        gc.collect()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
-        dist.destroy_process_group()
+        try:
+            for ref in hooks:
+                method = ref()
+                if method is not None:
+                    method()
+            gc.collect()
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+        finally:
+            dist.destroy_process_group()
 
 
 def get_tp_size() -> int:

@@ -123,6 +123,10 @@ def test_teardown_hooks_run_before_the_process_group_goes(monkeypatch):
         def release(self):
             events.append(self.name)
 
+        def fail(self):
+            raise RuntimeError("a hook failed")
+
+    monkeypatch.setattr(qdist, "_teardown_hooks", [])
     kept, dropped = Owner("kept"), Owner("dropped")
     qdist.on_teardown(kept.release)
     qdist.on_teardown(dropped.release)
@@ -133,3 +137,7 @@ def test_teardown_hooks_run_before_the_process_group_goes(monkeypatch):
     assert events == ["kept", "destroy"]
     qdist.destroy_distributed()  # the hooks ran once
     assert events == ["kept", "destroy", "destroy"]
+    qdist.on_teardown(kept.fail)
+    with pytest.raises(RuntimeError, match="a hook failed"):
+        qdist.destroy_distributed()
+    assert events[-1] == "destroy"  # the group went all the same

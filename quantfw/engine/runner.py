@@ -294,9 +294,9 @@ class ModelRunner:
             qdist.on_teardown(self.release_graphs)
 
     def release_graphs(self) -> None:
-        """Drop the decode CUDA graphs (later decode steps run eagerly): called by
-        `distributed.destroy_distributed`, since graphs that captured NCCL collectives must be
-        gone before the process group is torn down."""
+        """Drop the decode CUDA graphs, at teardown (`distributed.destroy_distributed`: graphs
+        that captured NCCL collectives must be gone before the process group is); the engine
+        is not stepped after it (its decode windows need the graphs)."""
         self.graphs = None
 
     @property

@@ -41,10 +41,22 @@ def test_one_decoding_token_with_whole_head_rotary_gets_a_store():
     assert store.slot.tolist() == [7] and store.cos_sin.shape == (16,)
 
 
+def test_no_store_for_two_decoding_sequences_or_an_unbound_cache():
+    meta = _meta(1)
+    meta.slot_mappings = [torch.tensor([3, 7])]  # two sequences, one token each
+    assert meta.is_decode
+    assert _layer().decode_rope_store(meta, RopeArgs(torch.rand(2, 16), 16)) is None
+    unbound = _layer()
+    unbound.kv_cache = None
+    assert unbound.decode_rope_store(_meta(1), RopeArgs(torch.rand(1, 16), 16)) is None
+
+
 @pytest.mark.parametrize(
     "why, tokens, rope",
     [
         ("a prefill chunk", 3, RopeArgs(torch.rand(3, 16), 16)),
+        ("a k norm alone", 1, RopeArgs(torch.rand(1, 16), 16, None, torch.ones(16), 1e-6)),
+        ("a strided cos/sin row", 1, RopeArgs(torch.rand(1, 32)[:, ::2], 16)),
         (
             "Qwen3's per-head norm",
             1,
@@ -76,5 +88,7 @@ def test_stored_keys_are_read_as_they_are():
     assert torch.allclose(out, want, atol=1e-5)
     with pytest.raises(ValueError, match="model.layers.0.self_attn.attn: stored keys"):
         layer(q, None, None, meta, RopeArgs(torch.rand(1, 16), 16))
+    with pytest.raises(ValueError, match="pass both k and v, or neither"):
+        layer(q, keys[:1], None, meta)
     with pytest.raises(ValueError, match="cache-free attention needs k and v"):
         layer(q.unsqueeze(0), None, None)

@@ -127,8 +127,19 @@ def test_rope_store_check_names_what_does_not_fit():
         ops.QkvRopeStore(cs, slot, kc, vc, 4, 2, 16).check(w, 3)
     with pytest.raises(ValueError, match="cos_sin .* torch.float16"):
         ops.QkvRopeStore(cs.half(), slot, kc, vc, 4, 2, 16).check(w, 4)
-    with pytest.raises(ValueError, match="slot .* torch.int32"):
-        ops.QkvRopeStore(cs, slot.int(), kc, vc, 4, 2, 16).check(w, 4)
+    with pytest.raises(ValueError, match=r"slot \(2,\) torch.int64"):
+        ops.QkvRopeStore(cs, slot.repeat(2), kc, vc, 4, 2, 16).check(w, 4)
+    assert not ops.QkvRopeStore(cs, slot.int(), kc, vc, 4, 2, 16).problems(w, 4)
+
+
+def test_layer_path_declines_an_epilogue_that_does_not_fit(monkeypatch):
+    """Where the GEMV would serve the call but its epilogue does not fit the shapes (here the
+    weight has more rows than the heads), `linear_rope_store` returns None, and the layer
+    projects, rotates and stores as usual, instead of raising."""
+    w, _, _, cs, (kc, vc), slot = _rope_case(4, 2, 16, 32, torch.float32, "cpu")
+    monkeypatch.setattr(ops, "_gemv_serves", lambda *args: True)
+    odd = ops.QkvRopeStore(cs, slot, kc, vc, 4, 1, 16)
+    assert ops.linear_rope_store(torch.randn(1, 32), w, None, odd) is None
     with pytest.raises(ValueError, match=r"v_cache \(16, 4, 2, 16\) \(contiguous rows of 32\)"):
         ops.QkvRopeStore(cs, slot, kc, vc.transpose(0, 1), 4, 2, 16).check(w, 4)
 
@@ -138,7 +149,8 @@ def test_rope_store_check_names_what_does_not_fit():
 def test_gpu_rope_store_epilogue_writes_what_the_two_kernels_write(dtype):
     """The GEMV with its rotary epilogue against the GEMV and then the rotary-and-store kernel
     (what a decode step ran before): the same bits in q and in both caches, at GPT-OSS-20B's
-    and a Llama-shaped q/k/v projection."""
+    and a Llama-shaped q/k/v projection, and one of 8 + 1 heads whose 144 column tiles split
+    K."""
     pytest.importorskip("triton")
     from quantfw.kernels.dense.gemv import dense_gemv
     from quantfw.kernels.fused import triton_ops

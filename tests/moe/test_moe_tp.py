@@ -108,7 +108,7 @@ def test_tp2_decode_projection_rotates_and_stores_on_each_rank(moe_checkpoints, 
         out = tmp_path / f"{mode}.pt"
         torchrun2("tp_generate.py", str(out), folder, "one-sequence-gpu", mode)
         runs[mode] = torch.load(out)
-    assert runs["fused"]["served"] > 0 and runs["unfused"]["served"] == 0
+    assert runs["fused"]["served"] > 0
     assert runs["fused"]["tokens"] == runs["unfused"]["tokens"]
 
 

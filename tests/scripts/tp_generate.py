@@ -33,7 +33,7 @@ def one_sequence_gpu(out: str, folder: str, fused: bool) -> None:
     tokens = llm.generate([prompt], params)[0].outputs[0].token_ids
     if qdist.get_tp_rank() == 0:
         torch.save({"tokens": tokens, "served": sum(served)}, out)
-    del llm  # the engine and its decode graphs go before the process group does
+    # the LLM stays referenced: its runner drops the decode graphs through the teardown hook
     qdist.destroy_distributed()
 
 

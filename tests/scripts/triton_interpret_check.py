@@ -183,7 +183,8 @@ def gemv() -> None:
 def gemv_rope_store() -> None:
     """The GEMV's rotary epilogue writes what the GEMV and then the rotary-and-store kernel
     write: q rotated, k rotated and v at the cache row, the same bits, with and without a split
-    along K, with heads that straddle column tiles (block_n 4 over head_dim 6)."""
+    along K (the interpreter's "GPU" has 4 SMs: the last case splits K five ways), with and
+    without a bias, with heads that straddle column tiles (block_n 4 over head_dim 6)."""
     from quantfw.kernels.dense.gemv import dense_gemv
     from quantfw.kernels.dense.ops import QkvRopeStore
     from quantfw.kernels.fused import triton_ops
@@ -194,11 +195,12 @@ def gemv_rope_store() -> None:
         (6, 2, 8, 200, dict(block_n=4, block_k=64, ctas_per_sm=8), torch.float16),
         (4, 1, 16, 64, dict(block_n=2, block_k=32, ctas_per_sm=1), torch.float32),
         (5, 1, 6, 80, dict(block_n=4, block_k=16, ctas_per_sm=1), torch.float16),
+        (2, 1, 8, 160, dict(block_n=4, block_k=16, ctas_per_sm=16), torch.float32),
     ):
         n = (nh + 2 * nkv) * d
         w = torch.randn(n, k, generator=g).to(dtype)
         x = torch.randn(1, k, generator=g).to(dtype)
-        b = torch.randn(n, generator=g).to(dtype)
+        b = torch.randn(n, generator=g).to(dtype) if d != 16 else None  # d = 16: no bias
         angles = 11.0 * 10000 ** (-torch.arange(0, d, 2).double() / d)
         cs = torch.cat((angles.cos(), angles.sin())).float()
         k_cache = torch.randn(3, 4, nkv, d, generator=g).to(dtype)
@@ -221,7 +223,7 @@ def gemv_rope_store() -> None:
             0.0,
         )
         # against float64: y = W x + b, rotate-half with the same angles
-        y = x.double() @ w.double().T + b.double()
+        y = x.double() @ w.double().T + (b.double() if b is not None else 0.0)
         heads = y.view(-1, d)
         x1, x2 = heads[:, : d // 2], heads[:, d // 2 :]
         c, s_ = angles.cos(), angles.sin()

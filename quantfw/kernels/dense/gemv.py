@@ -44,7 +44,7 @@ def _dense_gemv_kernel(
     stride_wn,
     k_per_split,
     cs_ptr,  # ROPE: float32 [head_dim], cos of the head_dim / 2 frequencies, then sin
-    slot_ptr,  # ROPE: int64 [1], the token's cache row
+    slot_ptr,  # ROPE: int32 or int64 [1], the token's cache row
     k_cache,  # ROPE: the flat key and value caches, [rows, KV_ROWS]
     v_cache,
     BN: tl.constexpr,
@@ -134,7 +134,7 @@ def _store(
         s = tl.load(cs_ptr + half + j, mask=j < half, other=0.0)
         rot = tl.reshape(tl.join(x1 * c - x2 * s, x2 * c + x1 * s), [BN])
         y = tl.where(n < Q_ROWS + KV_ROWS, rot, y).to(dt)
-        row = tl.load(slot_ptr) * KV_ROWS
+        row = tl.load(slot_ptr).to(tl.int64) * KV_ROWS
         tl.store(out_ptr + n, y, mask=nmask & (n < Q_ROWS))
         is_k = (n >= Q_ROWS) & (n < Q_ROWS + KV_ROWS)
         tl.store(k_cache + row + (n - Q_ROWS), y.to(k_cache.dtype.element_ty), mask=nmask & is_k)
@@ -169,8 +169,10 @@ def dense_gemv(
         raise ValueError("dense_gemv: the weight's rows must be contiguous")
     N, K = weight.shape
     x = x.contiguous()
-    out = torch.empty(1, N, dtype=x.dtype, device=x.device)
     rs = rope_store
+    # with the epilogue only q is written to the output (k and v go to the caches)
+    out_rows = N if rs is None else rs.num_heads * rs.head_dim
+    out = torch.empty(1, out_rows, dtype=x.dtype, device=x.device)
     if rs is not None:
         rs.check(weight, block_n)
         rope_args = (rs.cos_sin, rs.slot, rs.k_cache, rs.v_cache)
@@ -194,4 +196,4 @@ def dense_gemv(
         SPLIT_P=triton.next_power_of_2(split), HAS_BIAS=bias is not None, **rope_consts,
         num_warps=warps, **pdl.launch_options(pdl.enabled(x.device)),
     )  # fmt: skip
-    return out if rs is None else out[:, : rs.num_heads * rs.head_dim]
+    return out

@@ -41,7 +41,8 @@ class QkvRopeStore:
     ``num_kv_heads`` k heads and as many v heads of ``head_dim``; q and k are rotated by
     ``cos_sin`` ([1, head_dim] or [head_dim] float32: cos of the head_dim / 2 frequencies, then
     sin; rotate-half over the whole head, no per-head norm); k and v land in row ``slot`` ([1]
-    int64) of ``k_cache`` / ``v_cache`` (contiguous, rows of ``num_kv_heads * head_dim``)."""
+    int32 or int64) of ``k_cache`` / ``v_cache`` (contiguous, rows of ``num_kv_heads *
+    head_dim``)."""
 
     cos_sin: torch.Tensor
     slot: torch.Tensor
@@ -51,8 +52,8 @@ class QkvRopeStore:
     num_kv_heads: int
     head_dim: int
 
-    def check(self, weight: torch.Tensor, block_n: int) -> None:
-        """A ValueError naming every field that does not fit ``weight`` and ``block_n``."""
+    def problems(self, weight: torch.Tensor, block_n: int) -> list[str]:
+        """What does not fit ``weight`` and ``block_n`` (empty: the epilogue can run)."""
         q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         problems = []
         if weight.shape[0] != q_rows + 2 * kv_rows:
@@ -64,11 +65,16 @@ class QkvRopeStore:
             problems.append(f"head_dim {self.head_dim} and block_n {block_n} must pair rows")
         if self.cos_sin.numel() != self.head_dim or self.cos_sin.dtype != torch.float32:
             problems.append(f"cos_sin {tuple(self.cos_sin.shape)} {self.cos_sin.dtype}")
-        if self.slot.numel() != 1 or self.slot.dtype != torch.int64:
+        if self.slot.numel() != 1 or self.slot.dtype not in (torch.int32, torch.int64):
             problems.append(f"slot {tuple(self.slot.shape)} {self.slot.dtype}")
         for name, cache in (("k_cache", self.k_cache), ("v_cache", self.v_cache)):
             if not cache.is_contiguous() or cache.shape[-2:].numel() != kv_rows:
                 problems.append(f"{name} {tuple(cache.shape)} (contiguous rows of {kv_rows})")
+        return problems
+
+    def check(self, weight: torch.Tensor, block_n: int) -> None:
+        """A ValueError naming every field that does not fit ``weight`` and ``block_n``."""
+        problems = self.problems(weight, block_n)
         if problems:
             raise ValueError("dense_gemv rotary epilogue: " + "; ".join(problems))
 
@@ -108,11 +114,12 @@ def linear_rope_store(
 ) -> torch.Tensor | None:
     """A one-token q/k/v projection with `store`'s rotary epilogue (`dense_gemv`): the rotated
     q ``[..., num_heads * head_dim]``, k and v written to their cache row; None where the GEMV
-    does not take the call (the caller projects, rotates and stores as usual)."""
-    if not _gemv_serves(x, weight, bias):
+    does not take the call or its epilogue does not fit the shapes (the caller projects,
+    rotates and stores as usual)."""
+    cfg = gemv_config(*weight.shape)
+    if not _gemv_serves(x, weight, bias) or store.problems(weight, cfg["block_n"]):
         return None
     from quantfw.kernels.dense.gemv import dense_gemv
 
-    cfg = gemv_config(*weight.shape)
     q = dense_gemv(x.reshape(1, -1), weight, bias, rope_store=store, **cfg)
     return q.view(*x.shape[:-1], -1)

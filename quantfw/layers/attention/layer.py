@@ -118,6 +118,7 @@ class Attention(nn.Module):
             not meta.is_decode
             or meta.slot_mappings[self.kv_group].numel() != 1
             or rope.q_weight is not None
+            or rope.k_weight is not None
             or rope.rotary_dim != self.head_dim
             or cos_sin.dtype != torch.float32
             or not cos_sin.is_contiguous()

@@ -22,7 +22,8 @@ class AttentionBackend:
 
     ``forward(layer, q [T, heads, head_dim], k/v [T, kv_heads, head_dim], meta, rope)`` returns
     ``[T, heads * head_dim]`` in q's dtype. With `rope`, q and k arrive unrotated and the backend
-    rotates them (`write_kv` fuses that with storing the keys).
+    rotates them (`write_kv` fuses that with storing the keys). k and v None: this step's keys
+    and values are in the cache already (`Attention.decode_rope_store`).
     """
 
     name = "base"
@@ -36,8 +37,8 @@ class AttentionBackend:
         self,
         layer: Attention,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         meta: AttentionMetadata,
         rope: RopeArgs | None = None,
     ) -> torch.Tensor:
@@ -47,17 +48,20 @@ class AttentionBackend:
 def write_kv(
     layer: Attention,
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     meta: AttentionMetadata,
     rope: RopeArgs | None,
 ) -> torch.Tensor:
     """Store this step's k/v [T, kv_heads, head_dim] at their slots (rotating k first when
     `rope` is given: one fused kernel on CUDA); returns q, rotated when `rope` is given. k and v
     None: they are stored already (`Attention.decode_rope_store`), q is returned as it is."""
-    if k is None and v is None:
+    if k is None or v is None:
+        where = f"layer {layer.prefix or '(root)'}"
+        if k is not None or v is not None:
+            raise ValueError(f"{where}: pass both k and v, or neither (stored already)")
         if rope is not None:
-            raise ValueError(f"layer {layer.prefix or '(root)'}: stored keys come rotated already")
+            raise ValueError(f"{where}: stored keys come rotated already")
         return q
     k_cache, v_cache = layer.kv_cache
     slots = meta.slot_mappings[layer.kv_group]

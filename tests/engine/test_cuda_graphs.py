@@ -108,17 +108,9 @@ def test_decode_window_needs_cuda_graphs(tiny_llama):
 def _one_sequence_greedy(model, dtype, graphs, monkeypatch, fused):
     """Greedy tokens of one prompt decoding alone (one token a step), with the q/k/v
     projection's rotary epilogue on or off; the number of projections it served."""
-    from quantfw.kernels.dense import ops
+    from rope_store import watch_rope_store
 
-    served = []
-    real = ops.linear_rope_store
-
-    def counted(*args):
-        q = real(*args) if fused else None
-        served.append(q is not None)
-        return q
-
-    monkeypatch.setattr(ops, "linear_rope_store", counted)
+    served = watch_rope_store(monkeypatch, fused)
     llm = LLM(model, dtype=dtype, max_num_seqs=1, max_model_len=128, cuda_graphs=graphs)
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     tokens = llm.generate([PROMPTS[1]], greedy)[0].outputs[0].token_ids

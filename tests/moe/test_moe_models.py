@@ -191,26 +191,20 @@ def test_gpu_gpt_oss_decode_projection_rotates_and_stores(moe_checkpoints, monke
     """GPT-OSS (MXFP4 experts) in bfloat16 decoding one sequence past its sliding window under
     CUDA graphs: the q/k/v projections' rotary epilogue (YaRN cos/sin, k and v straight to the
     cache of both layer kinds) gives the tokens of the separate rotary-and-store kernel."""
+    from rope_store import watch_rope_store
+
     from quantfw.engine import LLM, SamplingParams
-    from quantfw.kernels.dense import ops
 
-    real = ops.linear_rope_store
-    tokens, served = {}, []
+    tokens, served = {}, {}
     for fused in (True, False):
-
-        def counted(*args, fused=fused):
-            q = real(*args) if fused else None
-            served.append(q is not None)
-            return q
-
-        monkeypatch.setattr(ops, "linear_rope_store", counted)
+        served[fused] = watch_rope_store(monkeypatch, fused)
         folder = moe_checkpoints["gpt_oss_experts"]
         llm = LLM(folder, device="cuda", dtype="bfloat16", block_size=4, max_num_seqs=1,
                   cuda_graphs=True)  # fmt: skip
         params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
         tokens[fused] = llm.generate([PROMPTS[0]], params)[0].outputs[0].token_ids
         del llm
-    assert any(served)
+    assert any(served[True])
     assert tokens[True] == tokens[False]
 
 

@@ -112,9 +112,9 @@ def _tile_rows(pid_n, BN: tl.constexpr, ROPE: tl.constexpr, ROT_ROWS: tl.constex
 
 @triton.jit
 def _store(
-    acc, bias_ptr, out_ptr, n, nmask, HAS_BIAS: tl.constexpr, cs_ptr=None, slot_ptr=None,
-    k_cache=None, v_cache=None, ROPE: tl.constexpr = False, Q_ROWS: tl.constexpr = 0,
-    KV_ROWS: tl.constexpr = 0, HEAD_DIM: tl.constexpr = 0,
+    acc, bias_ptr, out_ptr, n, nmask, HAS_BIAS: tl.constexpr, cs_ptr, slot_ptr, k_cache,
+    v_cache, ROPE: tl.constexpr, Q_ROWS: tl.constexpr, KV_ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
 ):  # fmt: skip
     """Bias, rounding to the output dtype, and the store: at ``n`` of the output, or with
     ``ROPE`` q rows rotated into the output, k rows rotated and v rows as they are into the

@@ -69,3 +69,17 @@ def test_demo_console_script_passes():
     )
     assert proc.returncode == 0, proc.stderr
     assert "PASS" in proc.stdout
+
+
+def test_engine_options_offer_every_attention_backend():
+    """`--attention-backend` takes each name `select_backend` knows (it once lacked triton)."""
+    import argparse
+
+    from quantfw.engine.cli_args import add_engine_args, engine_kwargs
+    from quantfw.layers.attention.selector import BACKENDS
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    for name in BACKENDS:
+        args = p.parse_args(["some-model", "--attention-backend", name])
+        assert engine_kwargs(args)["attention_backend"] == name

@@ -6,6 +6,8 @@ import argparse
 import json
 from typing import Any
 
+from quantfw.layers.attention.selector import BACKENDS
+
 
 def json_object(text: str) -> dict[str, Any]:
     """An argparse type: a JSON object (``'{"bits": 4}'``)."""
@@ -40,7 +42,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "sdpa", "flashinfer"])
+    p.add_argument("--attention-backend", default="auto", choices=BACKENDS)
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode eagerly on the GPU")
     p.add_argument("--load-format", default="auto")
     p.add_argument("--revision", default=None)

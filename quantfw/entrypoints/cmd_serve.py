@@ -107,6 +107,9 @@ def _run_worker(engine) -> int:
 
     try:
         engine.runner.worker_loop()
+    except KeyboardInterrupt:
+        # Ctrl-C on torchrun reaches every rank; the leader shuts the server down and says so
+        return 130
     except Exception as e:
         print(
             f"quantfw serve: TP rank {qdist.get_tp_rank()} failed: {e}", file=sys.stderr, flush=True

@@ -65,6 +65,5 @@ def run(args: argparse.Namespace) -> int:
             f"{tokens} tokens in {elapsed:.2f}s ({tokens / max(elapsed, 1e-9):.1f} tokens/s)",
             file=sys.stderr,
         )
-    del llm  # as run on two H100s; `distributed.on_teardown` covers callers that keep theirs
     qdist.destroy_distributed()
     return 0

@@ -116,8 +116,10 @@ def linear_rope_store(
     q ``[..., num_heads * head_dim]``, k and v written to their cache row; None where the GEMV
     does not take the call or its epilogue does not fit the shapes (the caller projects,
     rotates and stores as usual)."""
+    if not _gemv_serves(x, weight, bias):
+        return None
     cfg = gemv_config(*weight.shape)
-    if not _gemv_serves(x, weight, bias) or store.problems(weight, cfg["block_n"]):
+    if store.problems(weight, cfg["block_n"]):
         return None
     from quantfw.kernels.dense.gemv import dense_gemv
 

@@ -83,3 +83,16 @@ def test_engine_options_offer_every_attention_backend():
     for name in BACKENDS:
         args = p.parse_args(["some-model", "--attention-backend", name])
         assert engine_kwargs(args)["attention_backend"] == name
+
+
+def test_engine_options_pass_prefill_graph_tokens():
+    """`--prefill-graph-tokens N` reaches the engine; left out, the engine's default (None)."""
+    import argparse
+
+    from quantfw.engine.cli_args import add_engine_args, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_kwargs(p.parse_args(["m"]))["prefill_graph_tokens"] is None
+    args = p.parse_args(["m", "--prefill-graph-tokens", "0"])
+    assert engine_kwargs(args)["prefill_graph_tokens"] == 0

@@ -44,6 +44,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--attention-backend", default="auto", choices=BACKENDS)
     p.add_argument("--no-cuda-graphs", action="store_true", help="run decode eagerly on the GPU")
+    p.add_argument(
+        "--prefill-graph-tokens",
+        type=int,
+        default=None,
+        help="one sequence's prefill steps of up to N tokens replay CUDA graphs (default 512, "
+        "at most --max-num-batched-tokens; 0: eager)",
+    )
     p.add_argument("--load-format", default="auto")
     p.add_argument("--revision", default=None)
 
@@ -60,6 +67,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         gpu_memory_utilization=args.gpu_memory_utilization,
         attention_backend=args.attention_backend,
         cuda_graphs=False if args.no_cuda_graphs else None,
+        prefill_graph_tokens=args.prefill_graph_tokens,
         load_format=args.load_format,
         revision=args.revision,
     )

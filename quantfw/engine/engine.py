@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from quantfw.api import load_model_with_config
+from quantfw.engine.cuda_graphs import resolve_prefill_graph_tokens
 from quantfw.engine.kv_cache import KVCache
 from quantfw.engine.runner import ModelRunner
 from quantfw.engine.sampler import plain_greedy, sample
@@ -84,6 +85,9 @@ def eos_token_ids(model: str, hf_config: Any, tokenizer: Any | None) -> set[int]
 
 #: Decode steps the GPU runs back to back for batches of plain greedy sequences (with CUDA graphs)
 DEFAULT_DECODE_WINDOW = 8
+#: One sequence's prefill steps up to this many tokens replay CUDA graphs (with CUDA graphs;
+#: capped at max_num_batched_tokens and max_model_len)
+DEFAULT_PREFILL_GRAPH_TOKENS = 512
 
 
 class LLMEngine:
@@ -101,6 +105,7 @@ class LLMEngine:
         gpu_memory_utilization: float = 0.9,
         cuda_graphs: bool | None = None,
         decode_window: int | None = None,
+        prefill_graph_tokens: int | None = None,
         attention_backend: str = "auto",
         block_size: int = 16,
         num_gpu_blocks: int | None = None,
@@ -185,6 +190,13 @@ class LLMEngine:
                 f"decode_window={decode_window} must be >= 1, and 1 without CUDA graphs"
             )
         self.decode_window = decode_window
+        prefill_graph_tokens = resolve_prefill_graph_tokens(
+            prefill_graph_tokens,
+            DEFAULT_PREFILL_GRAPH_TOKENS,
+            graph_backend=graph_backend if cuda_graphs else None,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+        )
         self.runner = ModelRunner(
             self.model,
             self.kv_cache,
@@ -194,6 +206,7 @@ class LLMEngine:
             max_graph_batch=max_num_seqs,
             graph_backend=graph_backend,
             max_window=decode_window,
+            prefill_graph_tokens=prefill_graph_tokens,
         )
         self.scheduler = Scheduler(
             self.kv_cache,

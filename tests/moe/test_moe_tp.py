@@ -113,6 +113,22 @@ def test_tp2_decode_projection_rotates_and_stores_on_each_rank(moe_checkpoints, 
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_tp2_prefill_graph_matches_eager_prefill(moe_checkpoints, tmp_path):
+    """GPT-OSS (MXFP4 experts, bfloat16) at TP = 2: the 13-token prefill replayed as a CUDA
+    graph on both ranks (its all-reduces captured) gives the tokens of the eager prefill."""
+    folder = moe_checkpoints["gpt_oss_experts"]
+    runs = {}
+    for mode in ("fused", "eager-prefill"):
+        out = tmp_path / f"{mode}.pt"
+        torchrun2("tp_generate.py", str(out), folder, "one-sequence-gpu", mode)
+        runs[mode] = torch.load(out)
+    assert runs["fused"]["prefill_graphs"] == [13]
+    assert runs["eager-prefill"]["prefill_graphs"] == []
+    assert runs["fused"]["tokens"] == runs["eager-prefill"]["tokens"]
+
+
+@pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_tp2_flashinfer_experts_on_two_gpus_equal_tp1(moe_checkpoints, rel_err, tmp_path):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quantfw.engine.runner import slot_mapping
+from quantfw.engine.step import slot_mapping
 from quantfw.layers.attention import Attention, AttentionMetadata
 
 

@@ -27,8 +27,10 @@ class AttentionBackend:
     """
 
     name = "base"
-    #: whether `forward` may run inside a captured CUDA graph (fixed shapes, no host syncs)
+    #: whether `forward` may run inside a captured CUDA graph (fixed shapes, no host syncs):
+    #: decode steps, and with `prefill_graph_capturable` steps of several tokens a sequence too
     graph_capturable = False
+    prefill_graph_capturable = False
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Per-step work shared by all layers."""

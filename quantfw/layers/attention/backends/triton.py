@@ -10,6 +10,7 @@ from quantfw.layers.attention.backends.base import AttentionBackend, write_kv
 class TritonBackend(AttentionBackend):
     name = "triton"
     graph_capturable = True
+    prefill_graph_capturable = True
 
     def __init__(self) -> None:
         from quantfw.kernels.attention import triton_paged

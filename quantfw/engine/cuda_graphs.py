@@ -1,0 +1,328 @@
+"""CUDA graphs of the engine's steps: decode steps by batch-size bucket (`DecodeGraphs`) and
+one sequence's prefill steps by token bucket (`PrefillGraphs`), each over static input buffers
+that a step's inputs are copied into before its graph replays."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from quantfw.engine.kv_cache import KVCache
+from quantfw.engine.step import PackedStep, slot_mapping
+from quantfw.kernels.common.launch_mode import graph_launches
+from quantfw.layers.attention import AttentionBackend, AttentionMetadata
+
+
+class StepGraphs:
+    """One graph per bucket; a subclass sets `buckets` and its buffers, then calls `_build`, and
+    defines `_forward(bucket)`, the step it captures."""
+
+    buckets: list[int]
+
+    def _build(self, pool=None) -> None:
+        """Run every bucket twice, then capture each, largest first, into `pool` (None: a new
+        one, which smaller graphs then reuse). Every bucket runs before any is captured, so that
+        buffers kernels grow on first use (split-K workspaces) reach their final size outside
+        the graphs; the calls are marked as made for graphs (`graph_launches`: kernels may pick
+        launches that are cheap on the GPU but not on the host)."""
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = pool
+        with graph_launches():
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for bucket in self.buckets:
+                    for _ in range(2):
+                        self._warm_up(bucket)
+            torch.cuda.current_stream().wait_stream(stream)
+            for bucket in reversed(self.buckets):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self.outputs[bucket] = self._forward(bucket)
+                if self.pool is None:
+                    self.pool = graph.pool()
+                self.graphs[bucket] = graph
+
+    def _warm_up(self, bucket: int) -> None:
+        self._forward(bucket)
+
+    def _forward(self, bucket: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def bucket_for(self, n: int) -> int:
+        """The smallest bucket holding `n` rows."""
+        return next(b for b in self.buckets if b >= n)
+
+
+def _metadata(
+    backend: AttentionBackend,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    tables: torch.Tensor,
+    seq_of: torch.Tensor,
+    positions: torch.Tensor,
+    block_size: int,
+    max_query_len: int,
+    max_context_len: int,
+) -> AttentionMetadata:
+    """A graph's attention metadata over its static buffers (``tables`` [groups, B, cols])."""
+    groups = list(tables.unbind(0))
+    return AttentionMetadata(
+        backend=backend,
+        query_start_loc=query_start_loc,
+        context_lens=context_lens,
+        block_tables=groups,
+        slot_mappings=[slot_mapping(t, seq_of, positions, block_size) for t in groups],
+        block_size=block_size,
+        max_query_len=max_query_len,
+        max_context_len=max_context_len,
+    )
+
+
+class DecodeGraphs(StepGraphs):
+    """CUDA graphs of the decode step, one per batch-size bucket, over static input buffers.
+
+    The graphs attend over the real context lengths (a tensor) through block tables of
+    ``max_model_len / block_size`` columns; padded rows attend to one token of the null block
+    and write there. Every step ends with the greedy feedback of a decode window: the argmax
+    of each row becomes the next input token, stored in `tokens` [max_window, bucket] at row
+    `step_index`, and real rows advance their position and context length by one.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_cache: KVCache,
+        backend: AttentionBackend,
+        device: torch.device,
+        max_bs: int,
+        max_window: int = 1,
+        pool=None,
+    ):
+        self.model = model
+        self.backend = backend
+        self.block_size = kv_cache.block_size
+        self.max_model_len = kv_cache.max_model_len
+        self.max_window = max(1, max_window)
+        self.buckets = sorted({min(2**i, max_bs) for i in range(max_bs.bit_length() + 1)})
+        n = self.buckets[-1]
+        cols = -(-self.max_model_len // self.block_size)
+        # rows: input_ids, positions, context_lens (the payload's first 3 * B values for decode),
+        # and 1 for real rows / 0 for padding
+        self.inputs = torch.zeros(4, n, dtype=torch.int32, device=device)
+        self.inputs[2].fill_(1)
+        self.tables = torch.zeros(len(kv_cache.groups), n, cols, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
+        self.seq_of = torch.arange(n, dtype=torch.int32, device=device)
+        self.tokens = torch.zeros(self.max_window, n, dtype=torch.int32, device=device)
+        self.step_index = torch.zeros(1, dtype=torch.long, device=device)
+        self._build(pool)
+
+    def _warm_up(self, bucket: int) -> None:
+        self.step_index.zero_()
+        self._forward(bucket)
+
+    def _forward(self, bs: int) -> torch.Tensor:
+        ids, pos, ctx, active = self.inputs[:, :bs].unbind(0)
+        meta = _metadata(
+            self.backend, self.query_start_loc[: bs + 1], ctx, self.tables[:, :bs],
+            self.seq_of[:bs], pos, self.block_size, 1, self.max_model_len,
+        )  # fmt: skip
+        self.backend.prepare(meta)
+        hidden = self.model.forward_cached(ids, pos, meta)
+        logits = self.model.compute_logits(hidden)
+        # greedy feedback (read by decode windows; ordinary steps rewrite the inputs)
+        nxt = logits.argmax(-1).to(torch.int32)
+        ids.copy_(nxt)
+        pos.add_(active)
+        ctx.add_(active)
+        self.tokens[:, :bs].index_copy_(0, self.step_index, nxt.view(1, bs))
+        self.step_index.add_(1)
+        return logits
+
+    def can_run(self, step: PackedStep) -> bool:
+        return step.max_query_len == 1 and step.num_seqs <= self.buckets[-1]
+
+    def _load(self, step: PackedStep) -> int:
+        """Copy the step's inputs into the static buffers; returns the bucket."""
+        b, w = step.num_seqs, step.table_width
+        bs = self.bucket_for(b)
+        payload = step.payload
+        self.inputs[:3, :b].copy_(payload[: 3 * b].view(3, b))
+        start = 5 * b + 1
+        groups = self.tables.shape[0]
+        self.tables[:, :b, :w].copy_(payload[start : start + groups * b * w].view(groups, b, w))
+        self.inputs[3, :b].fill_(1)
+        if bs > b:
+            self.inputs[:2, b:bs].zero_()
+            self.inputs[2, b:bs].fill_(1)
+            self.inputs[3, b:bs].zero_()
+            self.tables[:, b:bs, 0].zero_()
+        self.step_index.zero_()
+        return bs
+
+    def run(self, step: PackedStep) -> torch.Tensor:
+        """Logits [B, vocab] of one decode step."""
+        bs = self._load(step)
+        self.graphs[bs].replay()
+        return self.outputs[bs][: step.num_seqs]
+
+    def run_window(self, step: PackedStep) -> torch.Tensor:
+        """`step.window` decode steps back to back; the greedy tokens [window, B] (device)."""
+        if not 1 <= step.window <= self.max_window:
+            raise ValueError(f"decode window {step.window} outside 1..{self.max_window}")
+        bs = self._load(step)
+        for _ in range(step.window):
+            self.graphs[bs].replay()
+        return self.tokens[: step.window, : step.num_seqs]
+
+
+#: the smallest prefill bucket (steps of 2..16 tokens share it)
+MIN_PREFILL_BUCKET = 16
+
+
+def prefill_buckets(max_tokens: int) -> list[int]:
+    """Token buckets of `PrefillGraphs` up to `max_tokens`: powers of two from 16 and the
+    midpoints 1.5x between them (a step pads at most a third of its tokens past 24), and
+    `max_tokens` itself."""
+    if max_tokens < MIN_PREFILL_BUCKET:
+        raise ValueError(
+            f"prefill graphs need max_tokens >= {MIN_PREFILL_BUCKET} (0 turns them off), "
+            f"got {max_tokens}"
+        )
+    buckets = {max_tokens}
+    size = MIN_PREFILL_BUCKET
+    while size < max_tokens:
+        buckets.update(b for b in (size, size + size // 2) if b < max_tokens)
+        size *= 2
+    return sorted(buckets)
+
+
+def resolve_prefill_graph_tokens(
+    requested: int | None,
+    default: int,
+    *,
+    graph_backend: AttentionBackend | None,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+) -> int:
+    """The most tokens a prefill step replayed as a graph may hold (0: none). `graph_backend`:
+    the attention backend of the CUDA graphs (None: no graphs). None asks for `default`,
+    capped at what a step can hold (max_num_batched_tokens, max_model_len), and 0 without
+    graphs, with a backend whose prefill cannot be captured, or below `MIN_PREFILL_BUCKET`;
+    an explicit value must fit those bounds (the padding rows' positions stay inside the
+    context and its block tables)."""
+    cap = min(max_num_batched_tokens, max_model_len)
+    capturable = graph_backend is not None and graph_backend.prefill_graph_capturable
+    if requested is None:
+        tokens = min(default, cap)
+        return tokens if capturable and tokens >= MIN_PREFILL_BUCKET else 0
+    if requested and not (capturable and MIN_PREFILL_BUCKET <= requested <= cap):
+        backend = "no CUDA graphs" if graph_backend is None else f"{graph_backend.name} graphs"
+        raise ValueError(
+            f"prefill_graph_tokens={requested} must be 0 (no prefill graphs) or "
+            f"{MIN_PREFILL_BUCKET}..{cap} (max_num_batched_tokens {max_num_batched_tokens}, "
+            f"max_model_len {max_model_len}), with CUDA graphs whose attention backend "
+            f"captures prefill (triton; this engine: {backend})"
+        )
+    return requested
+
+
+class PrefillGraphs(StepGraphs):
+    """CUDA graphs of one sequence's prefill steps (a prompt, or a chunk of one after its cached
+    context) of up to `max_tokens` tokens, one per token bucket (`prefill_buckets`): a short
+    prompt's forward costs hundreds of kernel launches, which eagerly take longer on the host
+    than on the GPU.
+
+    A step of T tokens replays the graph of the smallest bucket >= T. Its tokens come first;
+    the bucket's other rows form a second sequence in the null block (positions 0.., a block
+    table of zeros), which stores its keys and values there and attends only to what it stored,
+    so the real sequence's cache and attention are untouched (only block 0, which no sequence
+    reads, takes its writes). The graph returns the logits of the step's sampled row."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_cache: KVCache,
+        backend: AttentionBackend,
+        device: torch.device,
+        max_tokens: int,
+        pool=None,
+    ):
+        self.model = model
+        self.backend = backend
+        self.block_size = kv_cache.block_size
+        self.max_model_len = kv_cache.max_model_len
+        if max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prefill graphs of {max_tokens} tokens exceed max_model_len "
+                f"({self.max_model_len}): the padding rows' positions must fit the context"
+            )
+        self.buckets = prefill_buckets(max_tokens)
+        n = self.buckets[-1]
+        cols = -(-self.max_model_len // self.block_size)
+        # rows: input ids, positions, the sequence of each row (0: the step's, 1: padding)
+        self.rows = torch.zeros(3, n, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.zeros(3, dtype=torch.int32, device=device)
+        self.context_lens = torch.zeros(2, dtype=torch.int32, device=device)
+        self.tables = torch.zeros(len(kv_cache.groups), 2, cols, dtype=torch.int32, device=device)
+        self.sample_row = torch.zeros(1, dtype=torch.int64, device=device)
+        self._arange = torch.arange(n, dtype=torch.int32, device=device)
+        self._build(pool)
+
+    def _warm_up(self, bucket: int) -> None:
+        self._pad(0, bucket)  # a step of padding only
+        self.sample_row.zero_()
+        self._forward(bucket)
+
+    def _forward(self, bucket: int) -> torch.Tensor:
+        ids, pos, seq_of = self.rows[:, :bucket].unbind(0)
+        meta = _metadata(
+            self.backend, self.query_start_loc, self.context_lens, self.tables, seq_of, pos,
+            self.block_size, bucket, self.max_model_len,
+        )  # fmt: skip
+        self.backend.prepare(meta)
+        hidden = self.model.forward_cached(ids, pos, meta)
+        return self.model.compute_logits(hidden.index_select(0, self.sample_row))
+
+    def can_run(self, step: PackedStep) -> bool:
+        """One sequence's prefill (or chunk) of 2..max_tokens tokens whose last token is
+        sampled."""
+        return (
+            step.num_seqs == 1
+            and 1 < step.num_tokens <= self.buckets[-1]
+            and step.num_sample == 1
+            and step.window == 1
+        )
+
+    def _pad(self, tokens: int, bucket: int) -> None:
+        """Rows ``tokens .. bucket`` as the padding sequence: token 0 at positions 0.., in
+        sequence 1 (a block table of zeros); the step's sequence holds ``tokens`` rows."""
+        pad = bucket - tokens
+        self.rows[0, tokens:bucket].zero_()
+        self.rows[1, tokens:bucket].copy_(self._arange[:pad])
+        self.rows[2, :bucket].copy_(self._arange[:bucket] >= tokens)
+        self.query_start_loc[1].fill_(tokens)
+        self.query_start_loc[2].fill_(bucket)
+        self.context_lens[1].fill_(pad)
+
+    def _load(self, step: PackedStep) -> int:
+        """Copy the step's inputs into the static buffers; returns the bucket."""
+        t, w = step.num_tokens, step.table_width
+        bucket = self.bucket_for(t)
+        payload = step.payload
+        self.rows[:2, :t].copy_(payload[: 2 * t].view(2, t))
+        self.context_lens[:1].copy_(payload[2 * t : 2 * t + 1])
+        start = 3 * t + 3  # past seq_of [t] and query_start_loc [2]
+        groups = self.tables.shape[0]
+        self.tables[:, 0, :w].copy_(payload[start : start + groups * w].view(groups, w))
+        self.sample_row.copy_(payload[-1:])
+        self._pad(t, bucket)
+        return bucket
+
+    def run(self, step: PackedStep) -> torch.Tensor:
+        """Logits [1, vocab] of the step's sampled row."""
+        bucket = self._load(step)
+        self.graphs[bucket].replay()
+        return self.outputs[bucket]

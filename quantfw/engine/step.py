@@ -1,0 +1,123 @@
+"""A step as the runner executes it: one int32 tensor packing the step's token ids, positions,
+context lengths, sequence of each token, query offsets, block tables and sampled rows (the
+payload the leader broadcasts under tensor parallelism), and the attention metadata built from
+it on the device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quantfw.engine.scheduler import StepBatch
+from quantfw.layers.attention import AttentionBackend, AttentionMetadata
+
+#: the first value of a step header: a step follows, or the workers stop
+STEP, STOP = 0, 1
+HEADER_LEN = 9
+
+#: The SDPA backend reads the cache up to a multiple of this many positions (the mask hides the
+#: rest), so eager steps see a new key length once per bucket instead of once per token:
+#: attention libraries plan per shape (cuDNN SDPA on Hopper re-planned every decode step).
+CONTEXT_BUCKET = 256
+
+
+@dataclass
+class PackedStep:
+    """A step as the runner executes it: host ints + one int32 device tensor laid out as
+    ``input_ids[T] positions[T] context_lens[B] seq_of[T] query_start_loc[B+1]
+    block_tables[G][B][W] sample_rows[S]``."""
+
+    num_tokens: int
+    num_seqs: int
+    table_width: int
+    num_sample: int
+    max_query_len: int
+    max_context_len: int
+    num_groups: int
+    payload: torch.Tensor
+    #: decode steps run back to back (greedy feedback on the device); 1: one ordinary step
+    window: int = 1
+
+    def header(self) -> list[int]:
+        return [
+            STEP, self.num_tokens, self.num_seqs, self.table_width, self.num_sample,
+            self.max_query_len, self.max_context_len, self.num_groups, self.window,
+        ]  # fmt: skip
+
+    @classmethod
+    def from_header(cls, header: list[int], payload: torch.Tensor) -> PackedStep:
+        *sizes, window = header[1:]
+        return cls(*sizes, payload=payload, window=window)
+
+    @property
+    def payload_len(self) -> int:
+        t, b = self.num_tokens, self.num_seqs
+        return 3 * t + 2 * b + 1 + self.num_groups * b * self.table_width + self.num_sample
+
+    def split(self) -> dict[str, torch.Tensor]:
+        t, b, w, g = self.num_tokens, self.num_seqs, self.table_width, self.num_groups
+        sizes = [t, t, b, t, b + 1, g * b * w, self.num_sample]
+        names = ["input_ids", "positions", "context_lens", "seq_of", "query_start_loc",
+                 "block_tables", "sample_rows"]  # fmt: skip
+        parts = dict(zip(names, self.payload.split(sizes)))
+        parts["block_tables"] = parts["block_tables"].view(g, b, w)
+        return parts
+
+
+def table_width(max_context_len: int, block_size: int, max_model_len: int) -> int:
+    """Block-table columns a step carries: enough for the SDPA context bucket."""
+    bucket = min(max_model_len, -(-max_context_len // CONTEXT_BUCKET) * CONTEXT_BUCKET)
+    return -(-max(bucket, max_context_len) // block_size)
+
+
+def pack(batch: StepBatch, block_size: int, max_model_len: int, window: int = 1) -> PackedStep:
+    b, groups = batch.num_seqs, len(batch.block_tables)
+    max_ctx = max(batch.context_lens)
+    width = table_width(max_ctx + window - 1, block_size, max_model_len)
+    seq_of: list[int] = []
+    starts = [0]
+    for i, n in enumerate(batch.query_lens):
+        seq_of.extend([i] * n)
+        starts.append(starts[-1] + n)
+    tables: list[int] = []
+    for g in range(groups):
+        for row in batch.block_tables[g]:
+            tables.extend(row)
+            tables.extend([0] * (width - len(row)))
+    values = (
+        batch.input_ids + batch.positions + batch.context_lens + seq_of + starts + tables
+        + batch.sample_rows
+    )  # fmt: skip
+    payload = torch.tensor(values, dtype=torch.int32)
+    return PackedStep(
+        len(batch.input_ids), b, width, len(batch.sample_rows), max(batch.query_lens), max_ctx,
+        groups, payload, window,
+    )  # fmt: skip
+
+
+def slot_mapping(
+    tables: torch.Tensor, seq_of: torch.Tensor, positions: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """Flat cache row of each token: ``tables[seq, pos // block_size] * block_size + pos %
+    block_size`` (int64)."""
+    pos = positions.long()
+    block = tables[seq_of.long(), pos // block_size].long()
+    return block * block_size + pos % block_size
+
+
+def build_metadata(
+    step: PackedStep, parts: dict[str, torch.Tensor], backend: AttentionBackend, block_size: int
+) -> AttentionMetadata:
+    tables = list(parts["block_tables"].unbind(0))
+    slots = [slot_mapping(t, parts["seq_of"], parts["positions"], block_size) for t in tables]
+    return AttentionMetadata(
+        backend=backend,
+        query_start_loc=parts["query_start_loc"],
+        context_lens=parts["context_lens"],
+        block_tables=tables,
+        slot_mappings=slots,
+        block_size=block_size,
+        max_query_len=step.max_query_len,
+        max_context_len=step.max_context_len,
+    )

@@ -1,0 +1,209 @@
+"""One sequence's short prefill steps through `PrefillGraphs`: the step padded to its token
+bucket, the padding a second sequence in the null block. The CPU twin runs the padded step
+eagerly (no graphs on the CPU) against the engine's own step; the GPU tests replay the graphs."""
+
+from __future__ import annotations
+
+import pytest
+import tiny_moe
+import torch
+
+from quantfw.engine import LLM, SamplingParams
+from quantfw.engine.cuda_graphs import (
+    PrefillGraphs,
+    prefill_buckets,
+    resolve_prefill_graph_tokens,
+)
+from quantfw.engine.step import slot_mapping
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def _prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_prefill_buckets():
+    assert prefill_buckets(512) == [16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
+    assert prefill_buckets(100) == [16, 24, 32, 48, 64, 96, 100]
+    assert prefill_buckets(16) == [16]
+    with pytest.raises(ValueError, match="max_tokens >= 16"):
+        prefill_buckets(8)
+
+
+def test_prefill_graph_tokens_default_and_bounds():
+    from quantfw.layers.attention.backends.sdpa import SDPABackend
+
+    triton = type("Triton", (), {"name": "triton", "prefill_graph_capturable": True})()
+
+    def resolve(requested, graphs=triton, batched=2048, model_len=4096):
+        return resolve_prefill_graph_tokens(
+            requested, 512, graph_backend=graphs, max_num_batched_tokens=batched,
+            max_model_len=model_len,
+        )  # fmt: skip
+
+    assert resolve(None) == 512
+    assert resolve(None, model_len=160) == 160  # padding positions stay inside the context
+    assert resolve(None, batched=100) == 100
+    assert resolve(None, batched=8) == 0  # below the smallest bucket
+    assert resolve(None, graphs=None) == 0
+    assert resolve(None, graphs=SDPABackend()) == 0  # its prefill syncs with the host
+    assert resolve(0) == 0 and resolve(64) == 64
+    bad_cases = ((8, {}), (200, {"model_len": 160}), (64, {"graphs": None}),
+                 (64, {"graphs": SDPABackend()}))  # fmt: skip
+    for bad, kwargs in bad_cases:
+        with pytest.raises(ValueError, match=f"prefill_graph_tokens={bad} must be 0"):
+            resolve(bad, **kwargs)
+
+
+def test_prefill_graphs_are_refused_without_cuda_graphs(tiny_llama):
+    llm = LLM(tiny_llama, max_num_seqs=1, max_model_len=64)
+    assert llm.engine.runner.prefill_graphs is None  # CPU: no graphs, none by default
+    with pytest.raises(ValueError, match="prefill_graph_tokens=64 must be 0"):
+        LLM(tiny_llama, max_num_seqs=1, max_model_len=64, prefill_graph_tokens=64)
+    runner = llm.engine.runner
+    with pytest.raises(ValueError, match="exceed max_model_len"):
+        _Uncaptured(runner.model, runner.kv_cache, runner.backend, runner.device, 96)
+
+
+class _Uncaptured(PrefillGraphs):
+    """The static buffers and the padded step, run eagerly (the CPU has no graphs)."""
+
+    def _build(self, pool=None) -> None:
+        self.graphs, self.outputs, self.pool = {}, {}, None
+
+
+def _padded_twin(llm: LLM, prompts: list[list[int]], max_tokens: int):
+    """Generate `prompts` one at a time; for every step `PrefillGraphs` would take, run the
+    padded step first and the engine's own step after it (which rewrites the same cache rows).
+    Returns [(tokens, bucket, padded logits, eager logits, cache rows outside the null block
+    that the padded step wrote, the rows the step's slot mapping names)]."""
+    runner = llm.engine.runner
+    graphs = _Uncaptured(runner.model, runner.kv_cache, runner.backend, runner.device, max_tokens)
+    seen = []
+    eager_run = runner.run
+    layers = [
+        (g, layer) for g, group in enumerate(runner.kv_cache.groups) for layer in group.layers
+    ]
+
+    def run(step):
+        if not graphs.can_run(step):
+            return eager_run(step)
+        before = [layer.kv_cache[0].clone() for _, layer in layers]
+        bucket = graphs._load(step)
+        with torch.inference_mode():
+            padded = graphs._forward(bucket).float()
+        block = runner.kv_cache.block_size
+        parts = step.split()
+        written, named = set(), set()
+        for (g, layer), old in zip(layers, before, strict=True):
+            rows = (layer.kv_cache[0] != old).flatten(2).any(-1).flatten().nonzero()
+            written |= {(g, r) for r in rows.flatten().tolist() if r >= block}
+            slots = slot_mapping(
+                parts["block_tables"][g], parts["seq_of"], parts["positions"], block
+            )
+            named |= {(g, r) for r in slots.tolist()}
+        eager = eager_run(step)
+        seen.append((step.num_tokens, bucket, padded, eager, written, named))
+        return eager
+
+    runner.run = run
+    outs = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]
+    return outs, seen
+
+
+def _check_twin(seen, rel_err, buckets_hit: set[int]):
+    assert {bucket for _, bucket, *_ in seen} >= buckets_hit
+    for tokens, bucket, padded, eager, written, named in seen:
+        where = f"{tokens} tokens in bucket {bucket}"
+        assert padded.shape == eager.shape == (1, eager.shape[-1]), where
+        assert rel_err(padded, eager) <= 1e-5, where
+        # outside the null block the padded step wrote exactly the step's own rows
+        assert written == named and len(named) == tokens * len({g for g, _ in named}), where
+
+
+def test_padded_prefill_matches_the_eager_step(tiny_qwen3, rel_err):
+    """Qwen3 (q/k norm) fp32 on the CPU: prompts that fill a bucket exactly (16), pad it (5,
+    17, 30), and a prompt chunked by max_num_batched_tokens whose last chunk (8 tokens after
+    32 cached) is the padded step."""
+    llm = LLM(tiny_qwen3, dtype="float32", max_num_seqs=1, max_model_len=96,
+              max_num_batched_tokens=16)  # fmt: skip
+    prompts = _prompts([5, 16, 17, 30, 40], 128)
+    _, seen = _padded_twin(llm, prompts, max_tokens=32)
+    assert any(tokens == 8 for tokens, *_ in seen)  # the chunked prompt's last chunk
+    _check_twin(seen, rel_err, {16})
+    llm16 = LLM(tiny_qwen3, dtype="float32", max_num_seqs=1, max_model_len=96)
+    _, seen = _padded_twin(llm16, prompts, max_tokens=32)
+    _check_twin(seen, rel_err, {16, 24, 32})
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt_oss(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("gpt_oss")
+    dense = tiny_moe.save(tiny_moe.build_hf("gpt_oss"), str(root / "dense"))
+    return tiny_moe.export_mxfp4(dense, str(root / "mxfp4"), experts_only=True)
+
+
+def test_padded_prefill_matches_the_eager_step_gpt_oss(tiny_gpt_oss, rel_err):
+    """GPT-OSS (8-token sliding window on alternate layers, attention sinks, MXFP4 experts:
+    the padding rows are routed too) fp32 on the CPU, prompts past the window."""
+    llm = LLM(tiny_gpt_oss, dtype="float32", max_num_seqs=1, max_model_len=96, block_size=4)
+    _, seen = _padded_twin(llm, _prompts([12, 20, 33], tiny_moe.VOCAB, seed=1), max_tokens=48)
+    _check_twin(seen, rel_err, {16, 24, 48})
+
+
+def _tokens_with_and_without(folder: str, prompts, dtype: str, **kwargs):
+    """Greedy tokens of `prompts` (one sequence at a time) with prefill graphs on and off, and
+    the prefill steps the graphs served."""
+    outs, served = {}, {}
+    for on in (True, False):
+        llm = LLM(folder, device="cuda", dtype=dtype, max_num_seqs=1, cuda_graphs=True,
+                  prefill_graph_tokens=None if on else 0, **kwargs)  # fmt: skip
+        graphs = llm.engine.runner.prefill_graphs
+        assert (graphs is not None) == on
+        served[on] = []
+        if on:
+            replay = graphs.run
+
+            def counted(step, replay=replay, log=served[on]):
+                log.append(step.num_tokens)
+                return replay(step)
+
+            graphs.run = counted
+        outs[on] = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]
+        del llm
+        torch.cuda.empty_cache()
+    return outs, served[True]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_prefill_graphs_match_eager(tiny_qwen3, dtype):
+    prompts = _prompts([5, 16, 17, 30, 100], 128)
+    outs, served = _tokens_with_and_without(tiny_qwen3, prompts, dtype, max_model_len=160)
+    assert sorted(served) == [5, 16, 17, 30, 100]
+    assert outs[True] == outs[False]
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_graphs_match_eager_chunked(tiny_qwen3):
+    """A prompt chunked at 32 tokens: its last chunk (after 64 cached) replays a graph."""
+    prompts = _prompts([70, 20], 128, seed=2)
+    outs, served = _tokens_with_and_without(
+        tiny_qwen3, prompts, "float32", max_model_len=160, max_num_batched_tokens=32
+    )
+    assert sorted(served) == [6, 20]
+    assert outs[True] == outs[False]
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_graphs_match_eager_gpt_oss(tiny_gpt_oss):
+    """GPT-OSS with MXFP4 experts in bfloat16 (sliding window, sinks, the grouped expert
+    kernels at padded row counts), prompts past the window."""
+    prompts = _prompts([12, 20, 33, 90], tiny_moe.VOCAB, seed=1)
+    outs, served = _tokens_with_and_without(
+        tiny_gpt_oss, prompts, "bfloat16", max_model_len=160, block_size=4
+    )
+    assert sorted(served) == [12, 20, 33, 90]
+    assert outs[True] == outs[False]

@@ -14,10 +14,19 @@ from quantfw.layers.attention import AttentionBackend, AttentionMetadata
 
 
 class StepGraphs:
-    """One graph per bucket; a subclass sets `buckets` and its buffers, then calls `_build`, and
-    defines `_forward(bucket)`, the step it captures."""
+    """One graph per bucket of a model's steps over `kv_cache` and `backend`; a subclass sets
+    `buckets` and its buffers, then calls `_build`, and defines `_forward(bucket)`, the step it
+    captures."""
 
     buckets: list[int]
+
+    def __init__(self, model: nn.Module, kv_cache: KVCache, backend: AttentionBackend):
+        self.model = model
+        self.backend = backend
+        self.block_size = kv_cache.block_size
+        self.max_model_len = kv_cache.max_model_len
+        #: block-table columns of a sequence of max_model_len tokens
+        self.table_cols = -(-self.max_model_len // self.block_size)
 
     def _build(self, pool=None) -> None:
         """Run every bucket twice, then capture each, largest first, into `pool` (None: a new
@@ -100,14 +109,10 @@ class DecodeGraphs(StepGraphs):
         max_window: int = 1,
         pool=None,
     ):
-        self.model = model
-        self.backend = backend
-        self.block_size = kv_cache.block_size
-        self.max_model_len = kv_cache.max_model_len
+        super().__init__(model, kv_cache, backend)
         self.max_window = max(1, max_window)
         self.buckets = sorted({min(2**i, max_bs) for i in range(max_bs.bit_length() + 1)})
-        n = self.buckets[-1]
-        cols = -(-self.max_model_len // self.block_size)
+        n, cols = self.buckets[-1], self.table_cols
         # rows: input_ids, positions, context_lens (the payload's first 3 * B values for decode),
         # and 1 for real rows / 0 for padding
         self.inputs = torch.zeros(4, n, dtype=torch.int32, device=device)
@@ -250,18 +255,14 @@ class PrefillGraphs(StepGraphs):
         max_tokens: int,
         pool=None,
     ):
-        self.model = model
-        self.backend = backend
-        self.block_size = kv_cache.block_size
-        self.max_model_len = kv_cache.max_model_len
+        super().__init__(model, kv_cache, backend)
         if max_tokens > self.max_model_len:
             raise ValueError(
                 f"prefill graphs of {max_tokens} tokens exceed max_model_len "
                 f"({self.max_model_len}): the padding rows' positions must fit the context"
             )
         self.buckets = prefill_buckets(max_tokens)
-        n = self.buckets[-1]
-        cols = -(-self.max_model_len // self.block_size)
+        n, cols = self.buckets[-1], self.table_cols
         # rows: input ids, positions, the sequence of each row (0: the step's, 1: padding)
         self.rows = torch.zeros(3, n, dtype=torch.int32, device=device)
         self.query_start_loc = torch.zeros(3, dtype=torch.int32, device=device)

@@ -74,6 +74,22 @@ class _Uncaptured(PrefillGraphs):
         self.graphs, self.outputs, self.pool = {}, {}, None
 
 
+def test_warm_up_steps_are_valid_steps(tiny_llama):
+    """What every bucket runs before capture (and what its graph then holds as inputs): a step
+    of padding rows only, whose logits are finite (the padding sequence attends to the keys it
+    stored)."""
+    llm = LLM(tiny_llama, dtype="float32", max_num_seqs=1, max_model_len=64)
+    runner = llm.engine.runner
+    graphs = _Uncaptured(runner.model, runner.kv_cache, runner.backend, runner.device, 48)
+    assert graphs.buckets == [16, 24, 32, 48]
+    with torch.inference_mode():
+        for bucket in graphs.buckets:
+            graphs._warm_up(bucket)
+            assert graphs.query_start_loc.tolist() == [0, 0, bucket]
+            assert graphs.context_lens[1].item() == bucket
+            assert bool(torch.isfinite(graphs._forward(bucket)).all()), bucket
+
+
 def _padded_twin(llm: LLM, prompts: list[list[int]], max_tokens: int):
     """Generate `prompts` one at a time; for every step `PrefillGraphs` would take, run the
     padded step first and the engine's own step after it (which rewrites the same cache rows).

@@ -95,6 +95,19 @@ def test_tp2_on_two_gpus_equals_tp1(moe_checkpoints, rel_err, tmp_path, dtype):
     )
 
 
+def _one_sequence_runs(moe_checkpoints, tmp_path, modes) -> dict[str, dict]:
+    """`tp_generate.py`'s one-sequence GPU run of GPT-OSS (MXFP4 experts) at TP = 2 in each
+    mode: rank 0's tokens and counts."""
+    runs = {}
+    for mode in modes:
+        out = tmp_path / f"{mode}.pt"
+        torchrun2(
+            "tp_generate.py", str(out), moe_checkpoints["gpt_oss_experts"], "one-sequence-gpu", mode
+        )
+        runs[mode] = torch.load(out)
+    return runs
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_tp2_decode_projection_rotates_and_stores_on_each_rank(moe_checkpoints, tmp_path):
@@ -102,12 +115,7 @@ def test_tp2_decode_projection_rotates_and_stores_on_each_rank(moe_checkpoints, 
     each rank's q/k/v projection rotates its own heads and stores its own key and value
     (`kernels.dense.ops.linear_rope_store`), and the tokens are those of the separate
     rotary-and-store kernel at TP = 2."""
-    folder = moe_checkpoints["gpt_oss_experts"]
-    runs = {}
-    for mode in ("fused", "unfused"):
-        out = tmp_path / f"{mode}.pt"
-        torchrun2("tp_generate.py", str(out), folder, "one-sequence-gpu", mode)
-        runs[mode] = torch.load(out)
+    runs = _one_sequence_runs(moe_checkpoints, tmp_path, ("fused", "unfused"))
     assert runs["fused"]["served"] > 0
     assert runs["fused"]["tokens"] == runs["unfused"]["tokens"]
 
@@ -117,12 +125,7 @@ def test_tp2_decode_projection_rotates_and_stores_on_each_rank(moe_checkpoints, 
 def test_tp2_prefill_graph_matches_eager_prefill(moe_checkpoints, tmp_path):
     """GPT-OSS (MXFP4 experts, bfloat16) at TP = 2: the 13-token prefill replayed as a CUDA
     graph on both ranks (its all-reduces captured) gives the tokens of the eager prefill."""
-    folder = moe_checkpoints["gpt_oss_experts"]
-    runs = {}
-    for mode in ("fused", "eager-prefill"):
-        out = tmp_path / f"{mode}.pt"
-        torchrun2("tp_generate.py", str(out), folder, "one-sequence-gpu", mode)
-        runs[mode] = torch.load(out)
+    runs = _one_sequence_runs(moe_checkpoints, tmp_path, ("fused", "eager-prefill"))
     assert runs["fused"]["prefill_graphs"] == [13]
     assert runs["eager-prefill"]["prefill_graphs"] == []
     assert runs["fused"]["tokens"] == runs["eager-prefill"]["tokens"]

@@ -189,7 +189,7 @@ MIN_PREFILL_BUCKET = 16
 
 def prefill_buckets(max_tokens: int) -> list[int]:
     """Token buckets of `PrefillGraphs` up to `max_tokens`: powers of two from 16 and the
-    midpoints 1.5x between them (a step pads at most a third of its tokens past 24), and
+    midpoints 1.5x between them (a step of more than 16 tokens runs under 1.5x its rows), and
     `max_tokens` itself."""
     if max_tokens < MIN_PREFILL_BUCKET:
         raise ValueError(

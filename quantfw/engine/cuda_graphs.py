@@ -235,16 +235,19 @@ def resolve_prefill_graph_tokens(
 
 
 class PrefillGraphs(StepGraphs):
-    """CUDA graphs of one sequence's prefill steps (a prompt, or a chunk of one after its cached
-    context) of up to `max_tokens` tokens, one per token bucket (`prefill_buckets`): a short
-    prompt's forward costs hundreds of kernel launches, which eagerly take longer on the host
-    than on the GPU.
+    """CUDA graphs of the steps that prefill (prompts, chunks of long ones after their cached
+    context, beside the decoding sequences of the batch) of up to `max_tokens` tokens in up to
+    `max_seqs` sequences, one per token bucket (`prefill_buckets`): eagerly such a step's
+    hundreds of kernel launches take longer on the host than on the GPU.
 
-    A step of T tokens replays the graph of the smallest bucket >= T. Its tokens come first;
-    the bucket's other rows form a second sequence in the null block (positions 0.., a block
-    table of zeros), which stores its keys and values there and attends only to what it stored,
-    so the real sequence's cache and attention are untouched (only block 0, which no sequence
-    reads, takes its writes). The graph returns the logits of the step's sampled row."""
+    A step of T tokens in B sequences replays the graph of the smallest bucket >= T over
+    ``max_seqs + 1`` sequence slots: its sequences fill the first B slots, the others up to
+    ``max_seqs`` are empty (no rows), and the last slot takes the bucket's T.. rows as a
+    padding sequence in the null block (positions 0.., a block table of zeros), which stores
+    its keys and values there and attends only to what it stored; so the step's sequences'
+    cache and attention are untouched (only block 0, which no sequence reads, takes its
+    writes). The graph computes the logits of ``max_seqs`` sampled rows, of which the step's
+    first S are its own."""
 
     def __init__(
         self,
@@ -253,6 +256,7 @@ class PrefillGraphs(StepGraphs):
         backend: AttentionBackend,
         device: torch.device,
         max_tokens: int,
+        max_seqs: int,
         pool=None,
     ):
         super().__init__(model, kv_cache, backend)
@@ -262,19 +266,22 @@ class PrefillGraphs(StepGraphs):
                 f"({self.max_model_len}): the padding rows' positions must fit the context"
             )
         self.buckets = prefill_buckets(max_tokens)
-        n, cols = self.buckets[-1], self.table_cols
-        # rows: input ids, positions, the sequence of each row (0: the step's, 1: padding)
+        self.max_seqs = max_seqs
+        n, slots = self.buckets[-1], max_seqs + 1
+        # rows: input ids, positions, the sequence slot of each row (the last slot: padding)
         self.rows = torch.zeros(3, n, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.zeros(3, dtype=torch.int32, device=device)
-        self.context_lens = torch.zeros(2, dtype=torch.int32, device=device)
-        self.tables = torch.zeros(len(kv_cache.groups), 2, cols, dtype=torch.int32, device=device)
-        self.sample_row = torch.zeros(1, dtype=torch.int64, device=device)
+        self.query_start_loc = torch.zeros(slots + 1, dtype=torch.int32, device=device)
+        self.context_lens = torch.zeros(slots, dtype=torch.int32, device=device)
+        self.tables = torch.zeros(
+            len(kv_cache.groups), slots, self.table_cols, dtype=torch.int32, device=device
+        )
+        self.sample_rows = torch.zeros(max_seqs, dtype=torch.int64, device=device)
         self._arange = torch.arange(n, dtype=torch.int32, device=device)
         self._build(pool)
 
     def _warm_up(self, bucket: int) -> None:
-        self._pad(0, bucket)  # a step of padding only
-        self.sample_row.zero_()
+        self._pad(0, 0, bucket)  # a step of padding only
+        self.sample_rows.zero_()
         self._forward(bucket)
 
     def _forward(self, bucket: int) -> torch.Tensor:
@@ -285,45 +292,47 @@ class PrefillGraphs(StepGraphs):
         )  # fmt: skip
         self.backend.prepare(meta)
         hidden = self.model.forward_cached(ids, pos, meta)
-        return self.model.compute_logits(hidden.index_select(0, self.sample_row))
+        return self.model.compute_logits(hidden.index_select(0, self.sample_rows))
 
     def can_run(self, step: PackedStep) -> bool:
-        """One sequence's prefill (or chunk) of 2..max_tokens tokens whose last token is
-        sampled."""
+        """A step of 2..max_tokens tokens in at most max_seqs sequences, one of them
+        prefilling (decode-only steps take `DecodeGraphs`)."""
         return (
-            step.num_seqs == 1
-            and 1 < step.num_tokens <= self.buckets[-1]
-            and step.num_sample == 1
+            step.max_query_len > 1
+            and step.num_tokens <= self.buckets[-1]
+            and step.num_seqs <= self.max_seqs
             and step.window == 1
         )
 
-    def _pad(self, tokens: int, bucket: int) -> None:
-        """Rows ``tokens .. bucket`` as the padding sequence: token 0 at positions 0.., in
-        sequence 1 (a block table of zeros); the step's sequence holds ``tokens`` rows."""
-        pad = bucket - tokens
+    def _pad(self, tokens: int, seqs: int, bucket: int) -> None:
+        """Slots ``seqs .. max_seqs`` empty, the last one the padding sequence: rows ``tokens ..
+        bucket``, token 0 at positions 0.. (slot max_seqs has a block table of zeros)."""
+        pad, last = bucket - tokens, self.max_seqs
         self.rows[0, tokens:bucket].zero_()
         self.rows[1, tokens:bucket].copy_(self._arange[:pad])
-        self.rows[2, :bucket].copy_(self._arange[:bucket] >= tokens)
-        self.query_start_loc[1].fill_(tokens)
-        self.query_start_loc[2].fill_(bucket)
-        self.context_lens[1].fill_(pad)
+        self.rows[2, tokens:bucket].fill_(last)
+        self.query_start_loc[seqs + 1 : last + 1].fill_(tokens)  # empty: no rows, no keys read
+        self.query_start_loc[last + 1].fill_(bucket)
+        self.context_lens[last].fill_(pad)
 
     def _load(self, step: PackedStep) -> int:
         """Copy the step's inputs into the static buffers; returns the bucket."""
-        t, w = step.num_tokens, step.table_width
+        t, b, w, s = step.num_tokens, step.num_seqs, step.table_width, step.num_sample
         bucket = self.bucket_for(t)
-        payload = step.payload
-        self.rows[:2, :t].copy_(payload[: 2 * t].view(2, t))
-        self.context_lens[:1].copy_(payload[2 * t : 2 * t + 1])
-        start = 3 * t + 3  # past seq_of [t] and query_start_loc [2]
-        groups = self.tables.shape[0]
-        self.tables[:, 0, :w].copy_(payload[start : start + groups * w].view(groups, w))
-        self.sample_row.copy_(payload[-1:])
-        self._pad(t, bucket)
+        parts = step.split()
+        self.rows[0, :t].copy_(parts["input_ids"])
+        self.rows[1, :t].copy_(parts["positions"])
+        self.rows[2, :t].copy_(parts["seq_of"])
+        self.query_start_loc[: b + 1].copy_(parts["query_start_loc"])
+        self.context_lens[:b].copy_(parts["context_lens"])
+        self.tables[:, :b, :w].copy_(parts["block_tables"])
+        self.sample_rows[:s].copy_(parts["sample_rows"])
+        self.sample_rows[s:].zero_()  # rows inside every bucket
+        self._pad(t, b, bucket)
         return bucket
 
     def run(self, step: PackedStep) -> torch.Tensor:
-        """Logits [1, vocab] of the step's sampled row."""
+        """Logits [num_sample, vocab] of the step's sampled rows."""
         bucket = self._load(step)
         self.graphs[bucket].replay()
-        return self.outputs[bucket]
+        return self.outputs[bucket][: step.num_sample]

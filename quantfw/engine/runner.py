@@ -73,7 +73,7 @@ class ModelRunner:
                 if prefill_graph_tokens:
                     self.prefill_graphs = PrefillGraphs(
                         model, kv_cache, graph_backend, device, prefill_graph_tokens,
-                        pool=self.graphs.pool,
+                        max_graph_batch, pool=self.graphs.pool,
                     )  # fmt: skip
             qdist.on_teardown(self.release_graphs)
 
@@ -100,7 +100,10 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(step):
             return self.graphs.run(step).float()
         if self.prefill_graphs is not None and self.prefill_graphs.can_run(step):
-            return self.prefill_graphs.run(step).float()
+            logits = self.prefill_graphs.run(step)
+            if not step.num_sample:  # only prefill chunks this step
+                return logits.new_empty(0, 0, dtype=torch.float32)
+            return logits.float()
         parts = step.split()
         meta = build_metadata(step, parts, self.backend, self.block_size)
         self.backend.prepare(meta)

@@ -1,6 +1,7 @@
-"""One sequence's short prefill steps through `PrefillGraphs`: the step padded to its token
-bucket, the padding a second sequence in the null block. The CPU twin runs the padded step
-eagerly (no graphs on the CPU) against the engine's own step; the GPU tests replay the graphs."""
+"""Steps that prefill through `PrefillGraphs`: the step padded to its token bucket and to the
+graphs' sequence slots, the padding a sequence of its own in the null block. The CPU twin runs
+the padded step eagerly (no graphs on the CPU) against the engine's own step; the GPU tests
+replay the graphs."""
 
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def test_prefill_graphs_are_refused_without_cuda_graphs(tiny_llama):
         LLM(tiny_llama, max_num_seqs=1, max_model_len=64, prefill_graph_tokens=64)
     runner = llm.engine.runner
     with pytest.raises(ValueError, match="exceed max_model_len"):
-        _Uncaptured(runner.model, runner.kv_cache, runner.backend, runner.device, 96)
+        _Uncaptured(runner.model, runner.kv_cache, runner.backend, runner.device, 96, 1)
 
 
 class _Uncaptured(PrefillGraphs):
@@ -76,27 +77,32 @@ class _Uncaptured(PrefillGraphs):
 
 def test_warm_up_steps_are_valid_steps(tiny_llama):
     """What every bucket runs before capture (and what its graph then holds as inputs): a step
-    of padding rows only, whose logits are finite (the padding sequence attends to the keys it
-    stored)."""
-    llm = LLM(tiny_llama, dtype="float32", max_num_seqs=1, max_model_len=64)
+    of padding rows only, every other slot empty, whose logits are finite (the padding
+    sequence attends to the keys it stored)."""
+    llm = LLM(tiny_llama, dtype="float32", max_num_seqs=3, max_model_len=64)
     runner = llm.engine.runner
-    graphs = _Uncaptured(runner.model, runner.kv_cache, runner.backend, runner.device, 48)
+    graphs = _Uncaptured(runner.model, runner.kv_cache, runner.backend, runner.device, 48, 3)
     assert graphs.buckets == [16, 24, 32, 48]
     with torch.inference_mode():
         for bucket in graphs.buckets:
             graphs._warm_up(bucket)
-            assert graphs.query_start_loc.tolist() == [0, 0, bucket]
-            assert graphs.context_lens[1].item() == bucket
-            assert bool(torch.isfinite(graphs._forward(bucket)).all()), bucket
+            assert graphs.query_start_loc.tolist() == [0, 0, 0, 0, bucket]
+            assert graphs.context_lens[3].item() == bucket
+            logits = graphs._forward(bucket)
+            assert logits.shape[0] == 3 and bool(torch.isfinite(logits).all()), bucket
 
 
-def _padded_twin(llm: LLM, prompts: list[list[int]], max_tokens: int):
-    """Generate `prompts` one at a time; for every step `PrefillGraphs` would take, run the
-    padded step first and the engine's own step after it (which rewrites the same cache rows).
-    Returns [(tokens, bucket, padded logits, eager logits, cache rows outside the null block
-    that the padded step wrote, the rows the step's slot mapping names)]."""
+def _padded_twin(llm: LLM, prompts: list[list[int]], max_tokens: int, together: bool = False):
+    """Generate `prompts` one at a time (or `together`: steps of several sequences, prefills
+    beside decodes); for every step `PrefillGraphs` would take, run the padded step first and
+    the engine's own step after it (which rewrites the same cache rows). Returns [(tokens,
+    sequences, bucket, padded logits of the sampled rows, eager logits, cache rows outside the
+    null block that the padded step wrote, the rows the step's slot mapping names)]."""
     runner = llm.engine.runner
-    graphs = _Uncaptured(runner.model, runner.kv_cache, runner.backend, runner.device, max_tokens)
+    max_seqs = llm.engine.scheduler.max_num_seqs
+    graphs = _Uncaptured(
+        runner.model, runner.kv_cache, runner.backend, runner.device, max_tokens, max_seqs
+    )
     seen = []
     eager_run = runner.run
     layers = [
@@ -109,7 +115,7 @@ def _padded_twin(llm: LLM, prompts: list[list[int]], max_tokens: int):
         before = [layer.kv_cache[0].clone() for _, layer in layers]
         bucket = graphs._load(step)
         with torch.inference_mode():
-            padded = graphs._forward(bucket).float()
+            padded = graphs._forward(bucket)[: step.num_sample].float()
         block = runner.kv_cache.block_size
         parts = step.split()
         written, named = set(), set()
@@ -121,37 +127,52 @@ def _padded_twin(llm: LLM, prompts: list[list[int]], max_tokens: int):
             )
             named |= {(g, r) for r in slots.tolist()}
         eager = eager_run(step)
-        seen.append((step.num_tokens, bucket, padded, eager, written, named))
+        seen.append((step.num_tokens, step.num_seqs, bucket, padded, eager, written, named))
         return eager
 
     runner.run = run
-    outs = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]
-    return outs, seen
+    if together:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)], seen
+    return [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts], seen
 
 
 def _check_twin(seen, rel_err, buckets_hit: set[int]):
-    assert {bucket for _, bucket, *_ in seen} >= buckets_hit
-    for tokens, bucket, padded, eager, written, named in seen:
-        where = f"{tokens} tokens in bucket {bucket}"
-        assert padded.shape == eager.shape == (1, eager.shape[-1]), where
-        assert rel_err(padded, eager) <= 1e-5, where
+    assert {bucket for _, _, bucket, *_ in seen} >= buckets_hit
+    for tokens, seqs, bucket, padded, eager, written, named in seen:
+        where = f"{tokens} tokens of {seqs} sequences in bucket {bucket}"
+        if eager.numel():
+            assert padded.shape == eager.shape, where
+            assert rel_err(padded, eager) <= 1e-5, where
         # outside the null block the padded step wrote exactly the step's own rows
         assert written == named and len(named) == tokens * len({g for g, _ in named}), where
 
 
 def test_padded_prefill_matches_the_eager_step(tiny_qwen3, rel_err):
     """Qwen3 (q/k norm) fp32 on the CPU: prompts that fill a bucket exactly (16), pad it (5,
-    17, 30), and a prompt chunked by max_num_batched_tokens whose last chunk (8 tokens after
-    32 cached) is the padded step."""
+    17, 30), and prompts chunked by max_num_batched_tokens (chunks that sample nothing, and a
+    last chunk of 8 tokens after 32 cached)."""
     llm = LLM(tiny_qwen3, dtype="float32", max_num_seqs=1, max_model_len=96,
               max_num_batched_tokens=16)  # fmt: skip
     prompts = _prompts([5, 16, 17, 30, 40], 128)
     _, seen = _padded_twin(llm, prompts, max_tokens=32)
     assert any(tokens == 8 for tokens, *_ in seen)  # the chunked prompt's last chunk
+    assert any(eager.numel() == 0 for *_, eager, _, _ in seen)  # a chunk sampling nothing
     _check_twin(seen, rel_err, {16})
     llm16 = LLM(tiny_qwen3, dtype="float32", max_num_seqs=1, max_model_len=96)
     _, seen = _padded_twin(llm16, prompts, max_tokens=32)
     _check_twin(seen, rel_err, {16, 24, 32})
+
+
+def test_padded_steps_of_several_sequences_match_the_eager_steps(tiny_qwen3, rel_err):
+    """Five prompts for three sequence slots and 24-token steps: steps of several prompts,
+    chunks (some sampling nothing) and prompts beside decoding sequences, each padded to its
+    bucket with the graphs' unused slots empty."""
+    llm = LLM(tiny_qwen3, dtype="float32", max_num_seqs=3, max_model_len=96,
+              max_num_batched_tokens=24)  # fmt: skip
+    _, seen = _padded_twin(llm, _prompts([5, 9, 30, 3, 12], 128, seed=3), 24, together=True)
+    assert max(seqs for _, seqs, *_ in seen) == 3
+    assert any(0 < eager.shape[0] < seqs for _, seqs, _, _, eager, *_ in seen)
+    _check_twin(seen, rel_err, {16, 24})
 
 
 @pytest.fixture(scope="module")
@@ -163,18 +184,23 @@ def tiny_gpt_oss(tmp_path_factory) -> str:
 
 def test_padded_prefill_matches_the_eager_step_gpt_oss(tiny_gpt_oss, rel_err):
     """GPT-OSS (8-token sliding window on alternate layers, attention sinks, MXFP4 experts:
-    the padding rows are routed too) fp32 on the CPU, prompts past the window."""
-    llm = LLM(tiny_gpt_oss, dtype="float32", max_num_seqs=1, max_model_len=96, block_size=4)
-    _, seen = _padded_twin(llm, _prompts([12, 20, 33], tiny_moe.VOCAB, seed=1), max_tokens=48)
-    _check_twin(seen, rel_err, {16, 24, 48})
+    the padding rows are routed too) fp32 on the CPU, prompts past the window, alone and two
+    sequences at a time."""
+    for seqs, together in ((1, False), (2, True)):
+        llm = LLM(tiny_gpt_oss, dtype="float32", max_num_seqs=seqs, max_model_len=96,
+                  block_size=4)  # fmt: skip
+        prompts = _prompts([12, 20, 33], tiny_moe.VOCAB, seed=1)
+        _, seen = _padded_twin(llm, prompts, 48, together=together)
+        _check_twin(seen, rel_err, {16, 24, 48} if seqs == 1 else {48})
 
 
-def _tokens_with_and_without(folder: str, prompts, dtype: str, **kwargs):
-    """Greedy tokens of `prompts` (one sequence at a time) with prefill graphs on and off, and
-    the prefill steps the graphs served."""
+def _tokens_with_and_without(folder: str, prompts, dtype: str, together=False, **kwargs):
+    """Greedy tokens of `prompts` (one sequence at a time, or `together`) with prefill graphs
+    on and off, and the token counts of the steps the graphs served."""
     outs, served = {}, {}
+    kwargs = {"max_num_seqs": 1, **kwargs}
     for on in (True, False):
-        llm = LLM(folder, device="cuda", dtype=dtype, max_num_seqs=1, cuda_graphs=True,
+        llm = LLM(folder, device="cuda", dtype=dtype, cuda_graphs=True,
                   prefill_graph_tokens=None if on else 0, **kwargs)  # fmt: skip
         graphs = llm.engine.runner.prefill_graphs
         assert (graphs is not None) == on
@@ -187,8 +213,11 @@ def _tokens_with_and_without(folder: str, prompts, dtype: str, **kwargs):
                 return replay(step)
 
             graphs.run = counted
-        outs[on] = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]
-        del llm
+        if together:
+            outs[on] = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+        else:
+            outs[on] = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]
+        del llm, graphs
         torch.cuda.empty_cache()
     return outs, served[True]
 
@@ -204,12 +233,25 @@ def test_gpu_prefill_graphs_match_eager(tiny_qwen3, dtype):
 
 @pytest.mark.gpu
 def test_gpu_prefill_graphs_match_eager_chunked(tiny_qwen3):
-    """A prompt chunked at 32 tokens: its last chunk (after 64 cached) replays a graph."""
+    """A prompt chunked at 32 tokens: its chunks (after 32 and 64 cached) replay graphs."""
     prompts = _prompts([70, 20], 128, seed=2)
     outs, served = _tokens_with_and_without(
         tiny_qwen3, prompts, "float32", max_model_len=160, max_num_batched_tokens=32
     )
-    assert sorted(served) == [6, 20]
+    assert sorted(served) == [6, 20, 32, 32]
+    assert outs[True] == outs[False]
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_graphs_of_several_sequences_match_eager(tiny_qwen3):
+    """Six prompts for four sequence slots in 48-token steps: prompts together, beside
+    decoding sequences, and chunked, through the graphs."""
+    prompts = _prompts([5, 9, 30, 3, 12, 40], 128, seed=4)
+    outs, served = _tokens_with_and_without(
+        tiny_qwen3, prompts, "float32", together=True, max_model_len=160, max_num_seqs=4,
+        max_num_batched_tokens=48,
+    )  # fmt: skip
+    assert len(served) >= 3
     assert outs[True] == outs[False]
 
 

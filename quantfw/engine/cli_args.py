@@ -48,8 +48,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--prefill-graph-tokens",
         type=int,
         default=None,
-        help="one sequence's prefill steps of up to N tokens replay CUDA graphs (default 512, "
-        "at most --max-num-batched-tokens; 0: eager)",
+        help="steps that prefill, of up to N tokens, replay CUDA graphs (default 512, at most "
+        "--max-num-batched-tokens and --max-model-len; 0: eager)",
     )
     p.add_argument("--load-format", default="auto")
     p.add_argument("--revision", default=None)

@@ -1,6 +1,6 @@
 """CUDA graphs of the engine's steps: decode steps by batch-size bucket (`DecodeGraphs`) and
-one sequence's prefill steps by token bucket (`PrefillGraphs`), each over static input buffers
-that a step's inputs are copied into before its graph replays."""
+steps that prefill by token bucket (`PrefillGraphs`), each over static input buffers that a
+step's inputs are copied into before its graph replays."""
 
 from __future__ import annotations
 

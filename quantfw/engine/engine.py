@@ -85,8 +85,8 @@ def eos_token_ids(model: str, hf_config: Any, tokenizer: Any | None) -> set[int]
 
 #: Decode steps the GPU runs back to back for batches of plain greedy sequences (with CUDA graphs)
 DEFAULT_DECODE_WINDOW = 8
-#: One sequence's prefill steps up to this many tokens replay CUDA graphs (with CUDA graphs;
-#: capped at max_num_batched_tokens and max_model_len)
+#: Steps that prefill, of up to this many tokens, replay CUDA graphs (with CUDA graphs; capped
+#: at max_num_batched_tokens and max_model_len)
 DEFAULT_PREFILL_GRAPH_TOKENS = 512
 
 

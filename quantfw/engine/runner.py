@@ -1,7 +1,7 @@
 """Runs one `StepBatch` through the model: packs it into one int32 tensor (`engine.step`), builds
 the attention metadata on the device, calls the cache-aware forward, returns the logits of the
-rows to sample. Decode steps, and with ``prefill_graph_tokens`` one sequence's short prefill
-steps, replay CUDA graphs when enabled (`engine.cuda_graphs`).
+rows to sample. Decode steps, and with ``prefill_graph_tokens`` short steps that prefill,
+replay CUDA graphs when enabled (`engine.cuda_graphs`).
 
 Decode windows: for a batch of plain greedy sequences the engine may run `window` decode steps
 back to back: each captured step ends by taking the argmax of its logits, writing it as the next

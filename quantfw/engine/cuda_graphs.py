@@ -296,11 +296,12 @@ class PrefillGraphs(StepGraphs):
 
     def can_run(self, step: PackedStep) -> bool:
         """A step of 2..max_tokens tokens in at most max_seqs sequences, one of them
-        prefilling (decode-only steps take `DecodeGraphs`)."""
+        prefilling (decode-only steps take `DecodeGraphs`), sampling at most max_seqs rows."""
         return (
             step.max_query_len > 1
             and step.num_tokens <= self.buckets[-1]
             and step.num_seqs <= self.max_seqs
+            and step.num_sample <= self.max_seqs
             and step.window == 1
         )
 

@@ -53,7 +53,7 @@ def one_sequence_gpu(out: str, folder: str, fused: bool, prefill_graphs: bool) -
     tokens = llm.generate([prompt], params)[0].outputs[0].token_ids
     if qdist.get_tp_rank() == 0:
         torch.save({"tokens": tokens, "served": sum(served), "prefill_graphs": replayed}, out)
-    # the LLM stays referenced: its runner drops the decode graphs through the teardown hook
+    # the LLM stays referenced: its runner drops its CUDA graphs through the teardown hook
     qdist.destroy_distributed()
 
 

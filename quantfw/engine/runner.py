@@ -28,6 +28,10 @@ from quantfw.layers.attention import AttentionBackend
 
 
 class ModelRunner:
+    """Runs the engine's steps; with `cuda_graphs`, through `DecodeGraphs` and, for
+    ``prefill_graph_tokens`` > 0 (as `cuda_graphs.resolve_prefill_graph_tokens` validates it
+    for the engine), `PrefillGraphs`."""
+
     def __init__(
         self,
         model: nn.Module,
@@ -48,11 +52,6 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
-        if prefill_graph_tokens and not cuda_graphs:
-            raise ValueError(
-                f"prefill_graph_tokens={prefill_graph_tokens} needs cuda_graphs (0: no prefill "
-                "graphs)"
-            )
         if cuda_graphs:
             if device.type != "cuda":
                 raise ValueError("cuda_graphs=True needs a CUDA device")
@@ -60,11 +59,6 @@ class ModelRunner:
             if not graph_backend.graph_capturable:
                 raise ValueError(
                     f"the {graph_backend.name} attention backend cannot run in CUDA graphs"
-                )
-            if prefill_graph_tokens and not graph_backend.prefill_graph_capturable:
-                raise ValueError(
-                    f"prefill graphs need an attention backend whose prefill runs in CUDA graphs "
-                    f"(triton), not {graph_backend.name}"
                 )
             with torch.inference_mode():
                 self.graphs = DecodeGraphs(

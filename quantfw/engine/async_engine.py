@@ -113,6 +113,8 @@ class AsyncEngine:
         self.on_dead = on_dead
         self.dead: BaseException | None = None
         self._inbox: queue.Queue = queue.Queue()
+        # a decode window ends early for what arrives while it runs (adds, aborts)
+        engine.arrivals_waiting = lambda: not self._inbox.empty()
         self._open: dict[str, _Pending] = {}
         self._num_open = 0  # admitted and not yet finished, aborted or rejected
         self._lock = threading.Lock()

@@ -4,6 +4,9 @@ step's inputs are copied into before its graph replays."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -11,6 +14,19 @@ from quantfw.engine.kv_cache import KVCache
 from quantfw.engine.step import PackedStep, slot_mapping
 from quantfw.kernels.common.launch_mode import graph_launches
 from quantfw.layers.attention import AttentionBackend, AttentionMetadata
+
+
+@contextmanager
+def naming_the_way_out(graphs: str, switch: str) -> Iterator[None]:
+    """Re-raise a failure while building `graphs` (a kernel that cannot be captured, memory)
+    as a RuntimeError that names the `switch` which runs those steps eagerly instead."""
+    try:
+        yield
+    except Exception as e:
+        raise RuntimeError(
+            f"building the {graphs} CUDA graphs failed ({type(e).__name__}: {e}); "
+            f"{switch} runs those steps eagerly"
+        ) from e
 
 
 class StepGraphs:
@@ -173,14 +189,26 @@ class DecodeGraphs(StepGraphs):
         self.graphs[bs].replay()
         return self.outputs[bs][: step.num_seqs]
 
-    def run_window(self, step: PackedStep) -> torch.Tensor:
-        """`step.window` decode steps back to back; the greedy tokens [window, B] (device)."""
+    def run_window(self, step: PackedStep, stop: Callable[[], bool] | None = None) -> torch.Tensor:
+        """Up to `step.window` decode steps back to back; the greedy tokens [steps run, B]
+        (device). With `stop`, at most two steps are queued on the GPU at a time and, before
+        each further one, a True from `stop` ends the window there (at least two steps run)."""
         if not 1 <= step.window <= self.max_window:
             raise ValueError(f"decode window {step.window} outside 1..{self.max_window}")
         bs = self._load(step)
-        for _ in range(step.window):
+        done: list[torch.cuda.Event] = []
+        steps = step.window
+        for i in range(step.window):
+            if stop is not None and i >= 2:
+                done[i - 2].synchronize()  # step i - 1 still queued: the GPU does not idle
+                if stop():
+                    steps = i
+                    break
             self.graphs[bs].replay()
-        return self.tokens[: step.window, : step.num_seqs]
+            if stop is not None:
+                done.append(torch.cuda.Event())
+                done[-1].record()
+        return self.tokens[:steps, : step.num_seqs]
 
 
 #: the smallest prefill bucket (steps of 2..16 tokens share it)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from quantfw import distributed as qdist
 from quantfw.api import load_model_with_config
 from quantfw.engine.cuda_graphs import resolve_prefill_graph_tokens
 from quantfw.engine.kv_cache import KVCache
@@ -216,6 +217,11 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()
+        #: asked between the steps of a decode window whether requests wait to join (a server
+        #: sets it, `AsyncEngine` to its inbox): True ends the window after the steps already
+        #: queued, so an arrival waits about two steps instead of a whole window. One GPU only:
+        #: under tensor parallelism every rank runs whole windows.
+        self.arrivals_waiting: Callable[[], bool] | None = None
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -324,11 +330,12 @@ class LLMEngine:
     def _step_window(self, plan: list[tuple[Sequence, int]], batch: Any, window: int):
         """Run `window` greedy decode steps on the GPU, then append each sequence's tokens up
         to the one that finishes it (the rest of its window is dropped)."""
-        tokens = self.runner.execute(batch, window).tolist()  # [window][B]: one host sync
-        self.stats.steps += window
+        stop = self.arrivals_waiting if qdist.get_tp_size() == 1 else None
+        tokens = self.runner.execute(batch, window, stop).tolist()  # [steps][B]: one host sync
+        self.stats.steps += len(tokens)
 
         def append_window(b: int, seq: Sequence) -> None:
-            for j in range(window):
+            for j in range(len(tokens)):
                 if seq.finished:
                     break
                 seq.num_computed += 1

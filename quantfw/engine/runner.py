@@ -16,11 +16,13 @@ logits); only the leader samples. No Python object is pickled per step.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from quantfw import distributed as qdist
-from quantfw.engine.cuda_graphs import DecodeGraphs, PrefillGraphs
+from quantfw.engine.cuda_graphs import DecodeGraphs, PrefillGraphs, naming_the_way_out
 from quantfw.engine.kv_cache import KVCache
 from quantfw.engine.scheduler import StepBatch
 from quantfw.engine.step import HEADER_LEN, STOP, PackedStep, build_metadata, pack
@@ -61,14 +63,17 @@ class ModelRunner:
                     f"the {graph_backend.name} attention backend cannot run in CUDA graphs"
                 )
             with torch.inference_mode():
-                self.graphs = DecodeGraphs(
-                    model, kv_cache, graph_backend, device, max_graph_batch, max_window
-                )
+                with naming_the_way_out("decode", "cuda_graphs=False (--no-cuda-graphs)"):
+                    self.graphs = DecodeGraphs(
+                        model, kv_cache, graph_backend, device, max_graph_batch, max_window
+                    )
                 if prefill_graph_tokens:
-                    self.prefill_graphs = PrefillGraphs(
-                        model, kv_cache, graph_backend, device, prefill_graph_tokens,
-                        max_graph_batch, pool=self.graphs.pool,
-                    )  # fmt: skip
+                    switch = "prefill_graph_tokens=0 (--prefill-graph-tokens 0)"
+                    with naming_the_way_out("prefill", switch):
+                        self.prefill_graphs = PrefillGraphs(
+                            model, kv_cache, graph_backend, device, prefill_graph_tokens,
+                            max_graph_batch, pool=self.graphs.pool,
+                        )  # fmt: skip
             qdist.on_teardown(self.release_graphs)
 
     def release_graphs(self) -> None:
@@ -84,13 +89,14 @@ class ModelRunner:
         return self.graphs.max_window if self.graphs is not None else 1
 
     @torch.inference_mode()
-    def run(self, step: PackedStep) -> torch.Tensor:
+    def run(self, step: PackedStep, stop: Callable[[], bool] | None = None) -> torch.Tensor:
         """Logits [num_sample, vocab] (float32) of this step; for a decode window, its greedy
-        tokens [window, B] (int32)."""
+        tokens [steps run, B] (int32): all `step.window` steps, or fewer when `stop` (asked
+        between them, `DecodeGraphs.run_window`) says so."""
         if step.window > 1:
             if self.graphs is None or not self.graphs.can_run(step):
                 raise ValueError("a decode window needs the CUDA graphs of its batch size")
-            return self.graphs.run_window(step)
+            return self.graphs.run_window(step, stop)
         if self.graphs is not None and self.graphs.can_run(step):
             return self.graphs.run(step).float()
         if self.prefill_graphs is not None and self.prefill_graphs.can_run(step):
@@ -107,16 +113,21 @@ class ModelRunner:
         rows = parts["sample_rows"].long()
         return self.model.compute_logits(hidden.index_select(0, rows)).float()
 
-    def execute(self, batch: StepBatch, window: int = 1) -> torch.Tensor:
-        """Leader side: send the step to the other TP ranks, then run it."""
+    def execute(
+        self, batch: StepBatch, window: int = 1, stop: Callable[[], bool] | None = None
+    ) -> torch.Tensor:
+        """Leader side: send the step to the other TP ranks, then run it. `stop` may end a
+        decode window early on one GPU only (the other ranks run whole windows)."""
         step = pack(batch, self.block_size, self.kv_cache.max_model_len, window)
         payload = step.payload.to(self.device, non_blocking=True)
         if qdist.get_tp_size() > 1:
+            if stop is not None:
+                raise ValueError("a decode window cannot end early under tensor parallelism")
             header = torch.tensor(step.header(), dtype=torch.int32, device=self.device)
             qdist.broadcast(header)
             qdist.broadcast(payload)
         step.payload = payload
-        return self.run(step)
+        return self.run(step, stop)
 
     def worker_loop(self) -> None:
         """Non-leader TP ranks: run every step the leader broadcasts until it says stop."""

@@ -100,6 +100,38 @@ def test_decode_windows_match_single_steps(tiny_llama, dtype):
     assert outs["stop8"] == outs["stop1"] and outs["stop8"][-1] == stop
 
 
+@pytest.mark.gpu
+def test_decode_windows_end_early_for_arrivals(tiny_llama):
+    """With `arrivals_waiting` saying yes now and then, windows end after two or more of their
+    steps (the engine asks before each further one), and the tokens and the free cache are
+    those of whole windows."""
+    lengths = [30, 41, 26, 37]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    outs, ran = {}, {}
+    for early in (False, True):
+        llm = LLM(tiny_llama, dtype="float32", max_num_seqs=4, max_model_len=128)
+        engine, asked = llm.engine, []
+        if early:
+            engine.arrivals_waiting = lambda a=asked: a.append(1) or len(a) % 3 == 0
+        execute, windows = engine.runner.execute, ran.setdefault(early, [])
+
+        def recorded(batch, window=1, stop=None, execute=execute, windows=windows):
+            out = execute(batch, window, stop)
+            if window > 1:
+                windows.append((window, out.shape[0]))
+            return out
+
+        engine.runner.execute = recorded
+        outs[early] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        assert engine.kv_cache.num_free == engine.kv_cache.initial_free
+        assert bool(asked) == early
+        del llm, engine
+        torch.cuda.empty_cache()
+    assert outs[True] == outs[False] and [len(t) for t in outs[True]] == lengths
+    assert all(n == w for w, n in ran[False])
+    assert all(2 <= n <= w for w, n in ran[True]) and any(n < w for w, n in ran[True])
+
+
 def test_decode_window_needs_cuda_graphs(tiny_llama):
     with pytest.raises(ValueError, match="decode_window"):
         LLM(tiny_llama, max_num_seqs=2, decode_window=4, cuda_graphs=False)

@@ -222,3 +222,14 @@ def test_disconnect_frees_the_sequence_at_once(serve, monkeypatch):
     freed_in = wait_until(lambda: engine.stats.requests_aborted == 2 and not engine.requests)
     assert freed_in < 1.0 and engine.kv_cache.num_free == free
     assert engine.stats.generation_tokens < 240
+
+
+def test_the_engine_thread_tells_decode_windows_of_arrivals(tiny_model):
+    """`AsyncEngine` gives its engine `arrivals_waiting`: whether its inbox holds anything, so a
+    decode window running on the GPU ends early for a request that arrived meanwhile."""
+    engine = LLMEngine(tiny_model, max_num_seqs=2)
+    async_engine = AsyncEngine(engine)
+    assert engine.arrivals_waiting() is False
+    async_engine.shutdown()  # the thread is gone: what is put now stays in the inbox
+    async_engine._inbox.put(("abort", "req-0"))
+    assert engine.arrivals_waiting() is True

@@ -1,4 +1,4 @@
-"""Tiny random Llama / Qwen3 checkpoints with a local word-level tokenizer (no hub access)."""
+"""Tiny random Llama / Qwen2 / Qwen3 checkpoints with a local word-level tokenizer (no hub access)."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def build_model(
 ) -> str:
     """Save a random fp32 model (weights scaled so greedy choices have clear margins) plus the
     tokenizer into `path`; returns `path`."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=VOCAB_SIZE,
@@ -109,6 +109,8 @@ def build_model(
         config = LlamaConfig(**common)
     elif arch == "qwen3":
         config = Qwen3Config(head_dim=16, **common)
+    elif arch == "qwen2":
+        config = Qwen2Config(**common)
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)

@@ -63,14 +63,27 @@ class Workload:
         return times
 
 
-def triton_cache_entries() -> int | None:
-    """Kernels in Triton's on-disk cache (None: no cache yet); more after a run than before it
-    means the run compiled some, which its tail latencies then include."""
+def triton_cache_entries() -> set[str]:
+    """The entries of Triton's on-disk cache, one a compiled kernel; more after a run than
+    before it means the run compiled some, which its tail latencies then include."""
     folder = os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")
     try:
-        return len(os.listdir(folder))
+        return set(os.listdir(folder))
     except OSError:
-        return None
+        return set()
+
+
+def kernel_names(entries: set[str]) -> list[str]:
+    """The kernels compiled into these cache entries (their metadata files' names)."""
+    folder = os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")
+    names = []
+    for entry in sorted(entries):
+        try:
+            files = os.listdir(os.path.join(folder, entry))
+        except OSError:
+            continue
+        names += [f[:-5] for f in files if f.endswith(".json") and not f.startswith("__grp__")]
+    return sorted(names)
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -139,7 +152,7 @@ def serve(
             f"requests {wrong[:5]} did not produce their answer lengths, or "
             f"{len(requests) - len(first)} got no first token"
         )
-    compiled1 = triton_cache_entries()
+    compiled = triton_cache_entries() - compiled0
     ttft = [first[i] - arrivals[i] for i in range(len(requests))]
     tpot = [(end[i] - first[i]) / (tokens[i] - 1) for i in range(len(requests)) if tokens[i] > 1]
     return {
@@ -149,7 +162,7 @@ def serve(
         "prompt_tokens": sum(len(p) for p, _ in requests),
         "output_tokens": sum(tokens.values()),
         "engine_steps": engine.stats.steps - steps0,
-        "kernels_compiled": None if compiled1 is None else compiled1 - (compiled0 or 0),
+        "kernels_compiled": kernel_names(compiled),
         "ttft": _summary(ttft),
         "tpot": _summary(tpot),
     }
@@ -212,7 +225,7 @@ def markdown(result: dict) -> str:
             f"| {run['method']} | {run['arm']} | {run['rate']} | {t['mean_ms']:.1f} / "
             f"{t['median_ms']:.1f} / {t['p99_ms']:.1f} | {p['mean_ms']:.2f} / {p['median_ms']:.2f}"
             f" / {p['p99_ms']:.2f} | {m['output_tokens_per_s']:.0f} | {m['engine_steps']} | "
-            f"{m['kernels_compiled']} |"
+            f"{len(m['kernels_compiled'])} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -271,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
                         print(
                             f"{method.name:8s} {name:14s} rate {rate:>5}: TTFT p50 "
                             f"{t['median_ms']:.1f} ms p99 {t['p99_ms']:.1f} ms, TPOT p50 "
-                            f"{metrics['tpot']['median_ms']:.2f} ms, {o:.0f} tok/s",
+                            f"{metrics['tpot']['median_ms']:.2f} ms, {o:.0f} tok/s; compiled "
+                            f"{metrics['kernels_compiled'] or 'nothing'}",
                             flush=True,
                         )
                     engine.shutdown()

@@ -18,7 +18,9 @@ maps its logical block ``i`` (tokens ``[i * block_size, (i + 1) * block_size)``)
 Both attention kernels take a sliding window (key j is visible to the query at position i when
 ``i - window < j <= i``) and attention sinks (a per-head logit that joins the softmax
 denominator only, as in GPT-OSS). Shapes depend only on the batch size, so `paged_decode` is
-CUDA-graph capturable with the real context lengths in a tensor.
+CUDA-graph capturable with the real context lengths in a tensor. The block tables' row stride
+(an eager step's widest table) is not specialized: Triton would compile a variant the first
+time a step's width is a multiple of 16, in the middle of serving.
 """
 
 from __future__ import annotations
@@ -107,7 +109,7 @@ def _tile_rows(
     return n, nmask, (blk * PAGE + n % PAGE) * kv_row + g * HEAD_DIM
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bt_stride"])
 def _paged_decode_kernel(
     q_ptr, k_cache, v_cache, block_tables, context_lens, sinks_ptr, out_ptr, part_out, part_lse,
     q_stride_t, q_stride_h, bt_stride, out_stride_t, scale_log2, window,
@@ -289,7 +291,7 @@ def paged_decode(
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bt_stride"])
 def _paged_prefill_kernel(
     q_ptr, k_cache, v_cache, block_tables, query_start_loc, context_lens, sinks_ptr, out_ptr,
     q_stride_t, q_stride_h, bt_stride, out_stride_t, scale_log2, window,

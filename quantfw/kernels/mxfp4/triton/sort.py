@@ -8,6 +8,10 @@ decode step of a MoE layer would otherwise launch dozens):
   launches;
 * `combine`: the weighted sum of each token's k expert rows, one program per token (every
   batch size).
+
+The counts that change with every step's size (assignments, blocks, chunks) are not
+specialized: Triton would compile a variant the first time each is 1 or a multiple of 16, in
+the middle of serving.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from quantfw.kernels.moe.sort import BlockPlan, ExpertSort, fewest_blocks, max_b
 ALIGN_MAX_TILE = 16384
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "num_blocks"])
 def _align_kernel(
     ids_ptr,
     token_index_ptr,
@@ -90,7 +94,7 @@ def _onehot(ids_ptr, i, num_rows, EXPERTS_P: tl.constexpr):
     return ((e_i[:, None] == ex[None, :]) & valid[:, None]).to(tl.int32), e_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _chunk_counts_kernel(
     ids_ptr, counts_ptr, num_rows, CHUNK: tl.constexpr, EXPERTS_P: tl.constexpr,
     PDL: tl.constexpr = False,
@@ -102,7 +106,7 @@ def _chunk_counts_kernel(
     tl.store(counts_ptr + c * EXPERTS_P + tl.arange(0, EXPERTS_P), tl.sum(onehot, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_chunks"])
 def _chunk_prefix_kernel(
     counts_ptr, n_chunks, EXPERTS_P: tl.constexpr, CHUNKS_STEP: tl.constexpr,
     PDL: tl.constexpr = False,
@@ -122,7 +126,7 @@ def _chunk_prefix_kernel(
     tl.store(counts_ptr + n_chunks * EXPERTS_P + ex, carry)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "num_blocks", "n_chunks"])
 def _sort_chunks_kernel(
     ids_ptr, counts_ptr, token_index_ptr, expert_of_row_ptr, inverse_ptr, m_indptr_ptr,
     block_expert_ptr, block_row_ptr, num_rows, num_experts, num_blocks, n_chunks,

@@ -169,11 +169,8 @@ class DecodeGraphs(StepGraphs):
         """Copy the step's inputs into the static buffers; returns the bucket."""
         b, w = step.num_seqs, step.table_width
         bs = self.bucket_for(b)
-        payload = step.payload
-        self.inputs[:3, :b].copy_(payload[: 3 * b].view(3, b))
-        start = 5 * b + 1
-        groups = self.tables.shape[0]
-        self.tables[:, :b, :w].copy_(payload[start : start + groups * b * w].view(groups, b, w))
+        self.inputs[:3, :b].copy_(step.decode_inputs())
+        self.tables[:, :b, :w].copy_(step.split()["block_tables"])
         self.inputs[3, :b].fill_(1)
         if bs > b:
             self.inputs[:2, b:bs].zero_()

@@ -16,6 +16,16 @@ from quantfw.layers.attention import AttentionBackend, AttentionMetadata
 STEP, STOP = 0, 1
 HEADER_LEN = 9
 
+#: every part of the payload (and each KV-cache group's block tables) starts at a multiple of
+#: this many int32 values, 16 bytes: kernels given its slices see the same pointer alignment
+#: every step, where Triton would compile a variant for each alignment it meets, mid-serving
+ALIGN = 4
+
+
+def _padded(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
 #: The SDPA backend reads the cache up to a multiple of this many positions (the mask hides the
 #: rest), so eager steps see a new key length once per bucket instead of once per token:
 #: attention libraries plan per shape (cuDNN SDPA on Hopper re-planned every decode step).
@@ -26,7 +36,8 @@ CONTEXT_BUCKET = 256
 class PackedStep:
     """A step as the runner executes it: host ints + one int32 device tensor laid out as
     ``input_ids[T] positions[T] context_lens[B] seq_of[T] query_start_loc[B+1]
-    block_tables[G][B][W] sample_rows[S]``."""
+    block_tables[G][B][W] sample_rows[S]``, each part (and each group's tables) padded with
+    zeros to a multiple of `ALIGN` values."""
 
     num_tokens: int
     num_seqs: int
@@ -50,18 +61,35 @@ class PackedStep:
         *sizes, window = header[1:]
         return cls(*sizes, payload=payload, window=window)
 
+    def _layout(self) -> list[tuple[str, int]]:
+        t, b, g = self.num_tokens, self.num_seqs, self.num_groups
+        return [
+            ("input_ids", t), ("positions", t), ("context_lens", b), ("seq_of", t),
+            ("query_start_loc", b + 1), ("block_tables", g * _padded(b * self.table_width)),
+            ("sample_rows", self.num_sample),
+        ]  # fmt: skip
+
     @property
     def payload_len(self) -> int:
-        t, b = self.num_tokens, self.num_seqs
-        return 3 * t + 2 * b + 1 + self.num_groups * b * self.table_width + self.num_sample
+        return sum(_padded(n) for _, n in self._layout())
+
+    def decode_inputs(self) -> torch.Tensor:
+        """A decode step's input ids, positions and context lengths (one a sequence each: the
+        payload's first three parts) as one [3, B] view."""
+        if self.num_tokens != self.num_seqs:
+            raise ValueError(f"not a decode step: {self.num_tokens} tokens, {self.num_seqs} seqs")
+        n = _padded(self.num_seqs)
+        return self.payload[: 3 * n].view(3, n)[:, : self.num_seqs]
 
     def split(self) -> dict[str, torch.Tensor]:
-        t, b, w, g = self.num_tokens, self.num_seqs, self.table_width, self.num_groups
-        sizes = [t, t, b, t, b + 1, g * b * w, self.num_sample]
-        names = ["input_ids", "positions", "context_lens", "seq_of", "query_start_loc",
-                 "block_tables", "sample_rows"]  # fmt: skip
-        parts = dict(zip(names, self.payload.split(sizes)))
-        parts["block_tables"] = parts["block_tables"].view(g, b, w)
+        """The payload's parts, views without their padding (``block_tables`` [G, B, W])."""
+        parts, start = {}, 0
+        for name, n in self._layout():
+            parts[name] = self.payload[start : start + n]
+            start += _padded(n)
+        b, w, g = self.num_seqs, self.table_width, self.num_groups
+        tables = parts["block_tables"].view(g, _padded(b * w))[:, : b * w]
+        parts["block_tables"] = tables.view(g, b, w)
         return parts
 
 
@@ -80,14 +108,20 @@ def pack(batch: StepBatch, block_size: int, max_model_len: int, window: int = 1)
     for i, n in enumerate(batch.query_lens):
         seq_of.extend([i] * n)
         starts.append(starts[-1] + n)
+
+    def part(values: list[int]) -> list[int]:
+        return values + [0] * (_padded(len(values)) - len(values))
+
     tables: list[int] = []
     for g in range(groups):
+        group: list[int] = []
         for row in batch.block_tables[g]:
-            tables.extend(row)
-            tables.extend([0] * (width - len(row)))
+            group.extend(row)
+            group.extend([0] * (width - len(row)))
+        tables.extend(part(group))
     values = (
-        batch.input_ids + batch.positions + batch.context_lens + seq_of + starts + tables
-        + batch.sample_rows
+        part(batch.input_ids) + part(batch.positions) + part(batch.context_lens)
+        + part(seq_of) + part(starts) + tables + part(batch.sample_rows)
     )  # fmt: skip
     payload = torch.tensor(values, dtype=torch.int32)
     return PackedStep(

@@ -146,6 +146,7 @@ def serve(
             if o.finished:
                 end[i], tokens[i] = t, n
     duration = time.perf_counter() - start
+    engine.arrivals_waiting = None
     wrong = [i for i, (_, answer) in enumerate(requests) if tokens.get(i) != answer]
     if wrong or len(first) != len(requests):
         raise RuntimeError(

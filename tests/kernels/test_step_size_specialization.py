@@ -1,7 +1,8 @@
 """Kernels that eager steps launch with sizes that change from step to step (an eager step's
 widest block table, a MoE step's assignments, blocks and chunks) take those sizes unspecialized:
-otherwise Triton compiles a variant the first time one of them is 1 or a multiple of 16, which
-`benchmarks/bench_serving.py` measured as 0.6-0.8 s stalls of a server's first requests."""
+otherwise Triton compiles a variant the first time one of them is 1 or a multiple of 16, in the
+middle of serving. (The stalls `benchmarks/bench_serving.py` measured came from the step
+payload's pointer alignment, `tests/engine/test_step_packing.py`; decode-lab-log experiment 28.)"""
 
 from __future__ import annotations
 

@@ -63,19 +63,22 @@ class Workload:
         return times
 
 
+def _triton_cache_dir() -> str:
+    return os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")
+
+
 def triton_cache_entries() -> set[str]:
     """The entries of Triton's on-disk cache, one a compiled kernel; more after a run than
     before it means the run compiled some, which its tail latencies then include."""
-    folder = os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")
     try:
-        return set(os.listdir(folder))
+        return set(os.listdir(_triton_cache_dir()))
     except OSError:
         return set()
 
 
 def kernel_names(entries: set[str]) -> list[str]:
     """The kernels compiled into these cache entries (their metadata files' names)."""
-    folder = os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")
+    folder = _triton_cache_dir()
     names = []
     for entry in sorted(entries):
         try:

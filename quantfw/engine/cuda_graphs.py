@@ -170,7 +170,7 @@ class DecodeGraphs(StepGraphs):
         b, w = step.num_seqs, step.table_width
         bs = self.bucket_for(b)
         self.inputs[:3, :b].copy_(step.decode_inputs())
-        self.tables[:, :b, :w].copy_(step.split()["block_tables"])
+        self.tables[:, :b, :w].copy_(step.block_tables())
         self.inputs[3, :b].fill_(1)
         if bs > b:
             self.inputs[:2, b:bs].zero_()

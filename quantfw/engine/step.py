@@ -81,15 +81,24 @@ class PackedStep:
         n = _padded(self.num_seqs)
         return self.payload[: 3 * n].view(3, n)[:, : self.num_seqs]
 
+    def block_tables(self) -> torch.Tensor:
+        """The block tables [G, B, W], a view without the groups' padding."""
+        start = 0
+        for name, n in self._layout():
+            if name == "block_tables":
+                break
+            start += _padded(n)
+        b, w, g = self.num_seqs, self.table_width, self.num_groups
+        tables = self.payload[start : start + g * _padded(b * w)].view(g, _padded(b * w))
+        return tables[:, : b * w].view(g, b, w)
+
     def split(self) -> dict[str, torch.Tensor]:
         """The payload's parts, views without their padding (``block_tables`` [G, B, W])."""
         parts, start = {}, 0
         for name, n in self._layout():
             parts[name] = self.payload[start : start + n]
             start += _padded(n)
-        b, w, g = self.num_seqs, self.table_width, self.num_groups
-        tables = parts["block_tables"].view(g, _padded(b * w))[:, : b * w]
-        parts["block_tables"] = tables.view(g, b, w)
+        parts["block_tables"] = self.block_tables()
         return parts
 
 

@@ -83,47 +83,24 @@ def test_wgmma_kernel_with_the_codebook_compiles_for_sm90_without_a_gpu(bits, dt
     packed FMAs; at K = 3, 5 a second TMA copy a stage (the 1-bit words); the levels are
     immediates (no memory read for a lookup); the decoded A never staged through shared memory
     (every shared store after the last wgmma); no spills."""
-    from aot import compile_for_sm90, resource_usage
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from aot import resource_usage
+    from wgmma_aot import compile_wgmma, stages_compiled
 
-    from quantfw.kernels.mxfp4.triton import wgmma
-
-    def desc_type(t, block, layout):
-        d = TensorDescriptor.from_tensor(t, block, layout)
-        return native_specialize_impl(BaseBackend, d, False, True, True)[0]
-
-    gdt, name = (gl.float16, "fp16") if dtype == torch.float16 else (gl.bfloat16, "bf16")
-    bt, chunk = 128, 64
-    x = torch.zeros(256, 4096, dtype=dtype)
-    wpq = 4 * bits  # words per row and quad
-    mw = wgmma.MAIN_WORDS[wpq]  # of them in the first field group
-    q = torch.zeros(128, 128 * bits, dtype=torch.int32)
-    w_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
-    x_layout = gl.NVMMASharedLayout.get_default_for([bt, 64], gdt)
-    sig = {"x_desc": desc_type(x, [bt, 64], x_layout), "w_desc": desc_type(q, [128, mw], w_layout),
-           "o_desc": desc_type(q, [128, 4], w_layout),
-           "s_ptr": "*i32", "bias_ptr": f"*{name}", "out_ptr": f"*{name}", "ws_ptr": "*fp32",
-           "cnt_ptr": "*i32", "block_expert_ptr": f"*{name}", "block_row_ptr": f"*{name}",
-           "m_indptr_ptr": f"*{name}", "num_rows": "i32", "N": "i32", "N_PAD": "i32",
-           "n_quads": "i32", "n_iter": "i32", "num_experts": "i32", "stride_be": "i32",
-           "stride_om": "i32"}  # fmt: skip
     table = KW.table_words(_codebooks(bits)[1], dtype)
     decode = KW.codebook_word_asm(table, dtype)
-    consts = {"BT": bt, "CH": chunk, "S": 3, "ODD": False, "HAS_BIAS": True, "DECODE": decode,
-              "DENSE": True, "WPQ": wpq, "SPLIT": 4}  # fmt: skip
-    kernel = compile_for_sm90(wgmma.mxfp4_wgmma_kernel, sig, consts, num_warps=8)
+    kernel = compile_wgmma(
+        decode, dtype, bt=128, chunk=64, stages=3, wpq=4 * bits, dense=True, split=4
+    )
     ptx = kernel.asm["ptx"]
-    words = 2 * 8  # the loop's two stages, 8 words a thread each
+    compiled = stages_compiled(False)  # the loop's pair and the last pair
+    words = compiled * 8  # 8 words a thread and stage
     assert ptx.count("prmt.b32") == words * {2: 9, 3: 9, 4: 15, 5: 25}[bits]
     assert ptx.count("lop3.b32") == words * {2: 0, 3: 0, 4: 4, 5: 12}[bits]
-    # per stage (S - 1 ahead, the loop's two): the words, x's two halves, at K = 3, 5 the
-    # 1-bit words
-    assert ptx.count("cp.async.bulk.tensor") == (3 + (bits in (3, 5))) * (3 - 1 + 2)
+    # per stage (S - 1 ahead, then one a compiled stage): the words, x's two halves, at K = 3,
+    # 5 the 1-bit words
+    assert ptx.count("cp.async.bulk.tensor") == (3 + (bits in (3, 5))) * (3 - 1 + compiled)
     assert ptx.count(f"fma.rn.{'f16' if dtype == torch.float16 else 'bf16'}x2") == words * 4
-    assert ptx.count("wgmma.mma_async") == 8 * 2 * 2  # 8 per stage and chunk, 2 chunks, 2 stages
+    assert ptx.count("wgmma.mma_async") == 8 * 2 * compiled  # 8 per stage and chunk, 2 chunks
     assert "ld.local" not in ptx and "shfl" not in ptx
     assert ptx.rindex("wgmma.mma_async") < ptx.index("st.shared")
     assert all(f"{t:#x}," in ptx for t in table)
@@ -187,11 +164,12 @@ def _hopper():
 @pytest.mark.gpu
 @pytest.mark.parametrize("bits", [2, 3, 4, 5])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("N,K", [(200, 352), (640, 4096)])
+@pytest.mark.parametrize("N,K", [(200, 352), (640, 4096), (1536, 4096)])
 def test_gpu_wgmma_matches_reference(bits, dtype, N, K):
     """Every wgmma candidate config and the default at M = 17, 64, 100, 300, 1030 against the
     float64 product of the dequantized weight: N past the last 128-column tile, K with a padded
-    quad, split-K (few column tiles) and none, a user codebook, bias or none; outputs
+    quad, split-K (few column tiles) and none, CTAs of one, two and an odd number (3, 7) of
+    stages (1536 columns on 132 SMs), a user codebook, bias or none; outputs
     NaN-filled first (every element written); the split-K workspace left clean."""
     _hopper()
     from quantfw.kernels.common import splitk

@@ -34,8 +34,10 @@ past the block's rows is not started, so an expert's last block costs its rows r
 CH. Stage i decodes its A while stage i - 1's wgmmas run, then waits for all of them (their
 number depends on the block) before starting its own. A stage's A registers are read by its
 asynchronous wgmmas until that wait, so consecutive stages decode into different registers:
-stages run in pairs (two SSA values, as in `w4a16/triton/wgmma.py`), with an odd last stage
-after the loop.
+stages run in pairs (two SSA values, as in `w4a16/triton/wgmma.py`), with the last pair (or
+an odd count's last stage) after the loop: with every pair inside it, ptxas serializes the
+wgmmas (a wait after each), which `test_wgmma_kernel_keeps_its_wgmmas_asynchronous` checks in
+the SASS. At K = 2, 3, 5 an odd count is still serialized.
 """
 
 from __future__ import annotations
@@ -450,23 +452,31 @@ def mxfp4_wgmma_kernel(
     acc0 = warpgroup_mma_init(gl.zeros([128, CH], gl.float32, MMA))
     acc1, acc2, acc3 = acc0, acc0, acc0  # chunks past NCH stay unused
     sc = _scales(s_ptr, s_off, 0, q_end, DL)
-    for i in range(0, n_iter - 1, 2):
+    # an even count's last pair and an odd count's last stage after the loop (see the module
+    # docstring; benchmarks/kbit-lab-log.md §37)
+    AFTER: gl.constexpr = 1 if ODD else 2
+    for i in range(0, n_iter - AFTER, 2):
         acc0, acc1, acc2, acc3, sc = _stage(
-            i, acc0, acc1, acc2, acc3, sc, valid, x_desc, w_desc, o_desc, x_smem, w_smem, o_smem,
-            bars, s_ptr, s_off, row0, wrow0, q0, q_end, n_iter, NW, DL, A_L, S, CH, NCH, DECODE,
-            WPQ,
+            i, acc0, acc1, acc2, acc3, sc, valid, x_desc, w_desc, o_desc, x_smem, w_smem,
+            o_smem, bars, s_ptr, s_off, row0, wrow0, q0, q_end, n_iter, NW, DL, A_L, S, CH, NCH,
+            DECODE, WPQ,
         )  # fmt: skip
         acc0, acc1, acc2, acc3, sc = _stage(
             i + 1, acc0, acc1, acc2, acc3, sc, valid, x_desc, w_desc, o_desc, x_smem, w_smem,
             o_smem, bars, s_ptr, s_off, row0, wrow0, q0, q_end, n_iter, NW, DL, A_L, S, CH, NCH,
             DECODE, WPQ,
         )  # fmt: skip
-    if ODD:
+    if not ODD:
         acc0, acc1, acc2, acc3, sc = _stage(
-            n_iter - 1, acc0, acc1, acc2, acc3, sc, valid, x_desc, w_desc, o_desc, x_smem,
-            w_smem, o_smem, bars, s_ptr, s_off, row0, wrow0, q0, q_end, n_iter, NW, DL, A_L, S,
-            CH, NCH, DECODE, WPQ,
+            n_iter - 2, acc0, acc1, acc2, acc3, sc, valid, x_desc, w_desc, o_desc, x_smem, w_smem,
+            o_smem, bars, s_ptr, s_off, row0, wrow0, q0, q_end, n_iter, NW, DL, A_L, S, CH, NCH,
+            DECODE, WPQ,
         )  # fmt: skip
+    acc0, acc1, acc2, acc3, sc = _stage(
+        n_iter - 1, acc0, acc1, acc2, acc3, sc, valid, x_desc, w_desc, o_desc, x_smem, w_smem,
+        o_smem, bars, s_ptr, s_off, row0, wrow0, q0, q_end, n_iter, NW, DL, A_L, S, CH, NCH,
+        DECODE, WPQ,
+    )  # fmt: skip
     acc0, acc1, acc2, acc3 = warpgroup_mma_wait(0, deps=(acc0, acc1, acc2, acc3))
     for b in gl.static_range(S):
         mbarrier.invalidate(bars.index(b))

@@ -69,9 +69,18 @@ class PackedStep:
             ("sample_rows", self.num_sample),
         ]  # fmt: skip
 
+    def _offsets(self) -> dict[str, tuple[int, int]]:
+        """Each part's (start, length) in the payload; its padded end is the next one's start."""
+        offsets, start = {}, 0
+        for name, n in self._layout():
+            offsets[name] = (start, n)
+            start += _padded(n)
+        return offsets
+
     @property
     def payload_len(self) -> int:
-        return sum(_padded(n) for _, n in self._layout())
+        start, n = self._offsets()["sample_rows"]
+        return start + _padded(n)
 
     def decode_inputs(self) -> torch.Tensor:
         """A decode step's input ids, positions and context lengths (one a sequence each: the
@@ -81,24 +90,20 @@ class PackedStep:
         n = _padded(self.num_seqs)
         return self.payload[: 3 * n].view(3, n)[:, : self.num_seqs]
 
-    def block_tables(self) -> torch.Tensor:
-        """The block tables [G, B, W], a view without the groups' padding."""
-        start = 0
-        for name, n in self._layout():
-            if name == "block_tables":
-                break
-            start += _padded(n)
+    def _tables_at(self, start: int) -> torch.Tensor:
         b, w, g = self.num_seqs, self.table_width, self.num_groups
         tables = self.payload[start : start + g * _padded(b * w)].view(g, _padded(b * w))
         return tables[:, : b * w].view(g, b, w)
 
+    def block_tables(self) -> torch.Tensor:
+        """The block tables [G, B, W], a view without the groups' padding."""
+        return self._tables_at(self._offsets()["block_tables"][0])
+
     def split(self) -> dict[str, torch.Tensor]:
         """The payload's parts, views without their padding (``block_tables`` [G, B, W])."""
-        parts, start = {}, 0
-        for name, n in self._layout():
-            parts[name] = self.payload[start : start + n]
-            start += _padded(n)
-        parts["block_tables"] = self.block_tables()
+        offsets = self._offsets()
+        parts = {name: self.payload[start : start + n] for name, (start, n) in offsets.items()}
+        parts["block_tables"] = self._tables_at(offsets["block_tables"][0])
         return parts
 
 

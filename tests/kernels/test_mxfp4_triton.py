@@ -119,19 +119,15 @@ def test_wgmma_kernel_compiles_for_sm90_without_a_gpu():
         assert ptx.rindex("wgmma.mma_async") < ptx.index("st.shared")
 
 
-@pytest.mark.parametrize(
-    "decode,odd",
-    [(d, False) for d in ("e2m1", "kbit2", "kbit3", "kbit4", "kbit5")]
-    + [("e2m1", True), ("kbit4", True)],
-)
+@pytest.mark.parametrize("odd", [False, True])
+@pytest.mark.parametrize("decode", ["e2m1", "kbit2", "kbit3", "kbit4", "kbit5"])
 def test_wgmma_kernel_keeps_its_wgmmas_asynchronous(decode, odd):
     """ptxas keeps the kernel's wgmmas asynchronous: the SASS waits for wgmma groups exactly
-    where the kernel does (one a stage, one at the end), for every word decode at an even
-    n_iter and for the 4-bit-field decodes at an odd one. With every pair of stages in the
-    loop, an even n_iter made ptxas serialize them (its C7515: a wait after each wgmma, so no
-    stage's decode overlapped the previous stage's products; benchmarks/kbit-lab-log.md §37).
-    Not asserted: K = 2, 3, 5 at an odd n_iter, which stay serialized (peeling the first stage
-    cured them and cost the MXFP4 MoE layer 3% at 2048 tokens)."""
+    where the kernel does (one a stage, one at the end), for every word decode at an even and
+    an odd n_iter. With every pair of stages in the loop, an even n_iter made ptxas serialize
+    them (its C7515: a wait after each wgmma, so no stage's decode overlapped the previous
+    stage's products; benchmarks/kbit-lab-log.md §37), and so did an odd one at K = 2, 3, 5
+    until their first stage was peeled (§38)."""
     pytest.importorskip("triton")
     from aot import sass
     from wgmma_aot import compile_wgmma, stages_compiled
@@ -151,8 +147,8 @@ def test_wgmma_kernel_keeps_its_wgmmas_asynchronous(decode, odd):
     )
     code = sass(kernel)
     waits = code.count("WARPGROUP.DEPBAR.LE gsb0, 0x0")
-    assert code.count("HGMMA") == 8 * stages_compiled(odd)
-    assert waits == stages_compiled(odd) + 1, f"{waits} waits for wgmma groups"
+    assert code.count("HGMMA") == 8 * stages_compiled(odd, wpq)
+    assert waits == stages_compiled(odd, wpq) + 1, f"{waits} waits for wgmma groups"
 
 
 def test_default_config_by_rows_per_expert():

@@ -8,10 +8,19 @@ from typing import Any
 import torch
 
 
-def stages_compiled(odd: bool) -> int:
-    """The kernel's `_stage` bodies: the loop's pair, then an odd count's last stage or an even
-    count's last pair."""
-    return 2 + (1 if odd else 2)
+def peeled(odd: bool, wpq: int) -> bool:
+    """Whether an odd count of stages (past one) runs its first stage before the loop
+    (`mxfp4.triton.wgmma._peel`)."""
+    from quantfw.kernels.mxfp4.triton import wgmma
+
+    return odd and wgmma._peel(3, wpq)
+
+
+def stages_compiled(odd: bool, wpq: int = 16) -> int:
+    """The kernel's `_stage` bodies: a peeled odd count's first stage, the loop's pair, then an
+    odd count's last stage or an even (or peeled) count's last pair."""
+    peel = peeled(odd, wpq)
+    return int(peel) + 2 + (1 if odd and not peel else 2)
 
 
 def compile_wgmma(
@@ -29,7 +38,7 @@ def compile_wgmma(
 ) -> Any:
     """`mxfp4_wgmma_kernel` compiled for sm_90 with the word decode `decode` (inline PTX),
     activations of `dtype`, ``bt``-token tiles in chunks of ``chunk``, ``stages`` deep, ``wpq``
-    words a row and quad; ``odd``: the launch's n_iter is odd."""
+    words a row and quad; ``odd``: the launch's n_iter is odd (and past one)."""
     from aot import compile_for_sm90
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
@@ -55,6 +64,7 @@ def compile_wgmma(
            "m_indptr_ptr": "*i64", "num_rows": "i32", "N": "i32", "N_PAD": "i32",
            "n_quads": "i32", "n_iter": "i32", "num_experts": "i32", "stride_be": "i32",
            "stride_om": "i32"}  # fmt: skip
-    consts = {"BT": bt, "CH": chunk, "S": stages, "ODD": odd, "HAS_BIAS": bias,
-              "DECODE": decode, "DENSE": dense, "WPQ": wpq, "SPLIT": split}  # fmt: skip
+    consts = {"BT": bt, "CH": chunk, "S": stages, "ODD": odd, "PEEL": peeled(odd, wpq),
+              "HAS_BIAS": bias, "DECODE": decode, "DENSE": dense, "WPQ": wpq,
+              "SPLIT": split}  # fmt: skip
     return compile_for_sm90(wgmma.mxfp4_wgmma_kernel, sig, consts, num_warps=8)

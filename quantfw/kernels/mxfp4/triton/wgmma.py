@@ -37,7 +37,8 @@ asynchronous wgmmas until that wait, so consecutive stages decode into different
 stages run in pairs (two SSA values, as in `w4a16/triton/wgmma.py`), with the last pair (or
 an odd count's last stage) after the loop: with every pair inside it, ptxas serializes the
 wgmmas (a wait after each), which `test_wgmma_kernel_keeps_its_wgmmas_asynchronous` checks in
-the SASS. At K = 2, 3, 5 an odd count is still serialized.
+the SASS. At K = 2, 3, 5 it serializes an odd count's loop too, so there the first stage runs
+before the loop and the rest as an even count (``PEEL``).
 """
 
 from __future__ import annotations
@@ -382,6 +383,7 @@ def mxfp4_wgmma_kernel(
     # rows are skipped
     S: gl.constexpr,
     ODD: gl.constexpr,  # n_iter is odd
+    PEEL: gl.constexpr,  # an odd n_iter > 1 whose first stage runs before the loop (WPQ != 16)
     HAS_BIAS: gl.constexpr,
     DECODE: gl.constexpr,  # inline PTX of one word and its scale byte (see E2M1_DECODE)
     DENSE: gl.constexpr,  # one weight, block b = rows b BT .. (no plan)
@@ -452,10 +454,19 @@ def mxfp4_wgmma_kernel(
     acc0 = warpgroup_mma_init(gl.zeros([128, CH], gl.float32, MMA))
     acc1, acc2, acc3 = acc0, acc0, acc0  # chunks past NCH stay unused
     sc = _scales(s_ptr, s_off, 0, q_end, DL)
-    # an even count's last pair and an odd count's last stage after the loop (see the module
-    # docstring; benchmarks/kbit-lab-log.md §37)
-    AFTER: gl.constexpr = 1 if ODD else 2
-    for i in range(0, n_iter - AFTER, 2):
+    # an even count's last pair and an odd count's last stage after the loop; a peeled odd
+    # count runs its first stage before the loop and then as an even one (see the module
+    # docstring; benchmarks/kbit-lab-log.md §37-38)
+    if PEEL:
+        acc0, acc1, acc2, acc3, sc = _stage(
+            0, acc0, acc1, acc2, acc3, sc, valid, x_desc, w_desc, o_desc, x_smem, w_smem,
+            o_smem, bars, s_ptr, s_off, row0, wrow0, q0, q_end, n_iter, NW, DL, A_L, S, CH, NCH,
+            DECODE, WPQ,
+        )  # fmt: skip
+    # (an int, not a bool: a constexpr bool start is sign-extended to -1)
+    START: gl.constexpr = 1 if PEEL else 0
+    AFTER: gl.constexpr = 1 if ODD and not PEEL else 2
+    for i in range(START, n_iter - AFTER, 2):
         acc0, acc1, acc2, acc3, sc = _stage(
             i, acc0, acc1, acc2, acc3, sc, valid, x_desc, w_desc, o_desc, x_smem, w_smem,
             o_smem, bars, s_ptr, s_off, row0, wrow0, q0, q_end, n_iter, NW, DL, A_L, S, CH, NCH,
@@ -466,7 +477,7 @@ def mxfp4_wgmma_kernel(
             o_smem, bars, s_ptr, s_off, row0, wrow0, q0, q_end, n_iter, NW, DL, A_L, S, CH, NCH,
             DECODE, WPQ,
         )  # fmt: skip
-    if not ODD:
+    if PEEL or not ODD:
         acc0, acc1, acc2, acc3, sc = _stage(
             n_iter - 2, acc0, acc1, acc2, acc3, sc, valid, x_desc, w_desc, o_desc, x_smem, w_smem,
             o_smem, bars, s_ptr, s_off, row0, wrow0, q0, q_end, n_iter, NW, DL, A_L, S, CH, NCH,
@@ -569,6 +580,14 @@ def _x_layout(bt: int, dtype: torch.dtype):
     )
 
 
+def _peel(n_iter: int, wpq: int) -> bool:
+    """Whether a launch of `n_iter` stages a CTA runs its first stage before the loop: odd
+    counts past one with other than 16 words a row and quad (kbit K = 2, 3, 5), which ptxas
+    serializes otherwise. K = 4 and MXFP4 keep the plain odd loop, which it does not serialize
+    and which was faster than the peeled one (benchmarks/kbit-lab-log.md §37)."""
+    return n_iter % 2 == 1 and n_iter > 1 and wpq != 16
+
+
 def _launch(
     x, qweight, scales, n, bt, stages, chunk, decode, bias, plan, num_experts, owner=None,
     wpq=16,
@@ -618,7 +637,8 @@ def _launch(
         x_desc, w_desc, o_desc, scales.view(torch.int32), bias if bias is not None else out, out,
         ws, cnt, *ptrs, rows, n, n_pad, n_quads, n_iter, num_experts,
         bias.stride(0) if bias is not None and plan is not None else 0, out.stride(0),
-        BT=bt, CH=chunk, S=stages, ODD=n_iter % 2 == 1, HAS_BIAS=bias is not None,
+        BT=bt, CH=chunk, S=stages, ODD=n_iter % 2 == 1, PEEL=_peel(n_iter, wpq),
+        HAS_BIAS=bias is not None,
         DECODE=decode, DENSE=plan is None, WPQ=wpq, SPLIT=split, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out

@@ -28,6 +28,8 @@ from quantfw.kernels.kbit.triton import dispatch  # noqa: E402
 from quantfw.kernels.kbit.triton.tuning import random_kbit  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+#: a rank's qkv at TP = 2: 7 stages a CTA (split 5 ways along K), an odd count
+SHAPES_TP2 = {"qkv_tp2": (3072, 4096)}
 TILES = [configs.WGMMA_64, configs.WGMMA_128, configs.WGMMA_256]
 
 
@@ -35,7 +37,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--bits", default="4,2")
     p.add_argument("--ms", default="32,64,128,256,512,1024")
-    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"of {[*SHAPES, *SHAPES_TP2]}")
     p.add_argument("--label", default="")
     p.add_argument("--out", default=".")
     a = p.parse_args()
@@ -43,7 +45,7 @@ def main() -> None:
     rows = []
     for bits in [int(b) for b in a.bits.split(",")]:
         for name in a.shapes.split(","):
-            N, K = SHAPES[name]
+            N, K = {**SHAPES, **SHAPES_TP2}[name]
             wbytes = layout.tiled_nbytes(N, K, bits)
             fp = [
                 torch.randn(N, K, device="cuda", dtype=torch.float16) * 0.02

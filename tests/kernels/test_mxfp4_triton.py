@@ -151,6 +151,18 @@ def test_wgmma_kernel_keeps_its_wgmmas_asynchronous(decode, odd):
     assert waits == stages_compiled(odd, wpq) + 1, f"{waits} waits for wgmma groups"
 
 
+def test_only_odd_counts_at_k_2_3_5_peel_their_first_stage():
+    """Which launches run their first stage before the loop: odd stage counts past one with 8,
+    12 or 20 words a row and quad (kbit K = 2, 3, 5); never K = 4, MXFP4 (16) or even counts."""
+    from quantfw.kernels.mxfp4.triton.wgmma import peel_first_stage
+
+    for wpq in (8, 12, 20):
+        assert [peel_first_stage(n, wpq) for n in (1, 2, 3, 6, 7)] == [
+            False, False, True, False, True
+        ]  # fmt: skip
+    assert not any(peel_first_stage(n, 16) for n in range(1, 40))
+
+
 def test_default_config_by_rows_per_expert():
     """Decode: the lookup kernel; past it on sm_90 with bf16: the wgmma kernel, its token tile
     growing with the rows per expert; elsewhere a few rows: the swapped Triton kernel; prefill:

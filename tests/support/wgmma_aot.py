@@ -10,10 +10,10 @@ import torch
 
 def peeled(odd: bool, wpq: int) -> bool:
     """Whether an odd count of stages (past one) runs its first stage before the loop
-    (`mxfp4.triton.wgmma._peel`)."""
+    (`mxfp4.triton.wgmma.peel_first_stage`)."""
     from quantfw.kernels.mxfp4.triton import wgmma
 
-    return odd and wgmma._peel(3, wpq)
+    return odd and wgmma.peel_first_stage(3, wpq)
 
 
 def stages_compiled(odd: bool, wpq: int = 16) -> int:

@@ -580,7 +580,7 @@ def _x_layout(bt: int, dtype: torch.dtype):
     )
 
 
-def _peel(n_iter: int, wpq: int) -> bool:
+def peel_first_stage(n_iter: int, wpq: int) -> bool:
     """Whether a launch of `n_iter` stages a CTA runs its first stage before the loop: odd
     counts past one with other than 16 words a row and quad (kbit K = 2, 3, 5), which ptxas
     serializes otherwise. K = 4 and MXFP4 keep the plain odd loop, which it does not serialize
@@ -637,7 +637,7 @@ def _launch(
         x_desc, w_desc, o_desc, scales.view(torch.int32), bias if bias is not None else out, out,
         ws, cnt, *ptrs, rows, n, n_pad, n_quads, n_iter, num_experts,
         bias.stride(0) if bias is not None and plan is not None else 0, out.stride(0),
-        BT=bt, CH=chunk, S=stages, ODD=n_iter % 2 == 1, PEEL=_peel(n_iter, wpq),
+        BT=bt, CH=chunk, S=stages, ODD=n_iter % 2 == 1, PEEL=peel_first_stage(n_iter, wpq),
         HAS_BIAS=bias is not None,
         DECODE=decode, DENSE=plan is None, WPQ=wpq, SPLIT=split, num_warps=NUM_WARPS,
     )  # fmt: skip

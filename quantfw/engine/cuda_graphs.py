@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from quantfw.engine.kv_cache import KVCache
-from quantfw.engine.step import PackedStep, slot_mapping
+from quantfw.engine.step import PackedStep, attention_metadata
 from quantfw.kernels.common.launch_mode import graph_launches
-from quantfw.layers.attention import AttentionBackend, AttentionMetadata
+from quantfw.layers.attention import AttentionBackend
 
 
 @contextmanager
@@ -80,31 +80,6 @@ class StepGraphs:
         return next(b for b in self.buckets if b >= n)
 
 
-def _metadata(
-    backend: AttentionBackend,
-    query_start_loc: torch.Tensor,
-    context_lens: torch.Tensor,
-    tables: torch.Tensor,
-    seq_of: torch.Tensor,
-    positions: torch.Tensor,
-    block_size: int,
-    max_query_len: int,
-    max_context_len: int,
-) -> AttentionMetadata:
-    """A graph's attention metadata over its static buffers (``tables`` [groups, B, cols])."""
-    groups = list(tables.unbind(0))
-    return AttentionMetadata(
-        backend=backend,
-        query_start_loc=query_start_loc,
-        context_lens=context_lens,
-        block_tables=groups,
-        slot_mappings=[slot_mapping(t, seq_of, positions, block_size) for t in groups],
-        block_size=block_size,
-        max_query_len=max_query_len,
-        max_context_len=max_context_len,
-    )
-
-
 class DecodeGraphs(StepGraphs):
     """CUDA graphs of the decode step, one per batch-size bucket, over static input buffers.
 
@@ -146,7 +121,7 @@ class DecodeGraphs(StepGraphs):
 
     def _forward(self, bs: int) -> torch.Tensor:
         ids, pos, ctx, active = self.inputs[:, :bs].unbind(0)
-        meta = _metadata(
+        meta = attention_metadata(
             self.backend, self.query_start_loc[: bs + 1], ctx, self.tables[:, :bs],
             self.seq_of[:bs], pos, self.block_size, 1, self.max_model_len,
         )  # fmt: skip
@@ -311,7 +286,7 @@ class PrefillGraphs(StepGraphs):
 
     def _forward(self, bucket: int) -> torch.Tensor:
         ids, pos, seq_of = self.rows[:, :bucket].unbind(0)
-        meta = _metadata(
+        meta = attention_metadata(
             self.backend, self.query_start_loc, self.context_lens, self.tables, seq_of, pos,
             self.block_size, bucket, self.max_model_len,
         )  # fmt: skip

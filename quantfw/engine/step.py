@@ -154,18 +154,39 @@ def slot_mapping(
     return block * block_size + pos % block_size
 
 
+def attention_metadata(
+    backend: AttentionBackend,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    tables: torch.Tensor,
+    seq_of: torch.Tensor,
+    positions: torch.Tensor,
+    block_size: int,
+    max_query_len: int,
+    max_context_len: int,
+) -> AttentionMetadata:
+    """A step's attention metadata (``tables`` [groups, B, cols]), each group's slot mapping
+    computed on the device: from a step's payload (`build_metadata`) or a CUDA graph's static
+    buffers (`cuda_graphs`)."""
+    groups = list(tables.unbind(0))
+    return AttentionMetadata(
+        backend=backend,
+        query_start_loc=query_start_loc,
+        context_lens=context_lens,
+        block_tables=groups,
+        slot_mappings=[slot_mapping(t, seq_of, positions, block_size) for t in groups],
+        block_size=block_size,
+        max_query_len=max_query_len,
+        max_context_len=max_context_len,
+    )
+
+
 def build_metadata(
     step: PackedStep, parts: dict[str, torch.Tensor], backend: AttentionBackend, block_size: int
 ) -> AttentionMetadata:
-    tables = list(parts["block_tables"].unbind(0))
-    slots = [slot_mapping(t, parts["seq_of"], parts["positions"], block_size) for t in tables]
-    return AttentionMetadata(
-        backend=backend,
-        query_start_loc=parts["query_start_loc"],
-        context_lens=parts["context_lens"],
-        block_tables=tables,
-        slot_mappings=slots,
-        block_size=block_size,
-        max_query_len=step.max_query_len,
-        max_context_len=step.max_context_len,
-    )
+    """`attention_metadata` of a step's payload parts (`PackedStep.split`)."""
+    return attention_metadata(
+        backend, parts["query_start_loc"], parts["context_lens"], parts["block_tables"],
+        parts["seq_of"], parts["positions"], block_size, step.max_query_len,
+        step.max_context_len,
+    )  # fmt: skip
